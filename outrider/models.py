@@ -1,0 +1,300 @@
+"""Load targets and drafts; summarise their architecture; capture auxiliary hidden states.
+
+Contract:
+- A model spec is a local Hugging Face causal-LM folder, a ``.gguf`` file, or the alias
+  ``default`` (the embedded SmolLM2-135M-Instruct, converted by ``outrider pull``).
+- ``arch_info`` reads a config (object or plain dict, so config-only folders and wrapper
+  configs such as Kimi-K2.5's ``kimi_k25`` with its ``text_config`` work) into ``ArchInfo``.
+- ``load_model`` returns ``(model, tokenizer)`` in eval mode, float32 on CPU and bfloat16 on
+  CUDA unless told otherwise. Every failure a user can fix is a ``UserError``.
+- ``AuxCapture`` records, by forward pre-hooks, the hidden state *entering* decoder layer ``j``
+  for each requested id ``j`` (= Hugging Face ``output_hidden_states[j]``). No modeling file is
+  forked; the hooks work for any model whose decoder layers sit in ``model.model.layers``.
+
+Not done here: quantised (INT4/FP8) loading, tensor parallelism, downloading from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from outrider.errors import UserError
+
+DEFAULT_ALIAS = "default"
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What speculative decoding needs to know about a causal LM, from its config alone."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention: str  # "MHA" | "GQA" | "MQA" | "MLA"
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int = 0  # routed experts; 0 for a dense model
+    experts_per_token: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_dense_layers: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_mtp_layers: int = 0  # DeepSeek-V3 ``num_nextn_predict_layers``
+    dtype: str = ""
+    quantization: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return max(0, self.num_layers - self.first_dense_layers) if self.is_moe else 0
+
+    def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        """EAGLE-3's default aux ids ``(2, L//2, L-3)``, as vLLM and SGLang default."""
+        L = self.num_layers
+        return (2, L // 2, L - 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["architectures"] = list(self.architectures)
+        d["is_moe"] = self.is_moe
+        return d
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Unwrap multimodal wrappers (Kimi-K2.5 ``kimi_k25``, Llava-style) to the text model's config."""
+    for key in ("text_config", "language_config", "llm_config"):
+        inner = cfg.get(key)
+        if isinstance(inner, dict) and inner.get("hidden_size"):
+            merged = dict(inner)
+            merged.setdefault("architectures", cfg.get("architectures"))
+            merged.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
+            merged.setdefault("quantization_config", cfg.get("quantization_config"))
+            return merged
+    return cfg
+
+
+def arch_info(config: Any) -> ArchInfo:
+    """Summarise a config (a ``PretrainedConfig`` or a config.json dict)."""
+    cfg = config if isinstance(config, dict) else config.to_dict()
+    cfg = _text_config(cfg)
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise UserError(f"config has no '{key}': not a causal-LM config outrider understands")
+        return cfg[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    kv_lora = int(cfg.get("kv_lora_rank") or 0)
+    if kv_lora:
+        attention = "MLA"
+    elif kv_heads == heads:
+        attention = "MHA"
+    elif kv_heads == 1:
+        attention = "MQA"
+    else:
+        attention = "GQA"
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    quant = cfg.get("quantization_config") or {}
+    quant_name = ""
+    if isinstance(quant, dict) and quant:
+        quant_name = str(quant.get("quant_method") or quant.get("format") or "custom")
+        bits = quant.get("bits") or (quant.get("config_groups", {}) or {}).get("group_0", {}).get("weights", {}).get("num_bits")
+        if bits:
+            quant_name += f"-int{bits}" if "int" not in quant_name else ""
+    return ArchInfo(
+        model_type=str(cfg.get("model_type", "")),
+        architectures=tuple(cfg.get("architectures") or ()),
+        num_layers=int(need("num_hidden_layers")),
+        hidden_size=hidden,
+        vocab_size=int(need("vocab_size")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        attention=attention,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_experts=experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
+        kv_lora_rank=kv_lora,
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+        v_head_dim=int(cfg.get("v_head_dim") or 0),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""),
+        quantization=quant_name,
+    )
+
+
+def resolve(spec: str | Path) -> Path:
+    """Turn a model spec into a local path (a folder or a .gguf file); ``default`` must be pulled."""
+    if str(spec) == DEFAULT_ALIAS:
+        from outrider import assets
+
+        path = assets.default_model_dir()
+        if not (path / "config.json").exists():
+            raise UserError("the default model is not in the cache: run `outrider pull` first")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"model not found: {path} (give a Hugging Face model folder, a .gguf file or 'default')")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise UserError(f"{path} has no config.json: not a Hugging Face model folder")
+    if path.is_file() and path.suffix != ".gguf":
+        raise UserError(f"{path} is a file but not a .gguf: give a model folder or a GGUF file")
+    return path
+
+
+def load_config_dict(spec: str | Path) -> dict[str, Any]:
+    """config.json of a folder as a dict (works without weights)."""
+    path = resolve(spec)
+    if path.is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
+    if name is None or name == "auto":
+        return default_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise UserError(f"unknown dtype '{name}': use one of {', '.join(sorted(table))}")
+    return table[name]
+
+
+def load_tokenizer(spec: str | Path):
+    from transformers import AutoTokenizer
+
+    path = resolve(spec)
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
+
+
+def load_model(spec: str | Path, device: torch.device | str | None = None,
+               dtype: str | torch.dtype | None = None, with_tokenizer: bool = True):
+    """Load a causal LM for inference. Returns ``(model, tokenizer or None)``."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    path = resolve(spec)
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = parse_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    try:
+        if path.is_file():
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except SafetensorError as e:
+        raise UserError(f"cannot read the weights of {path}: {e} (the file is corrupt or truncated)") from None
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load the model at {path}: {first}") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(spec) if with_tokenizer else None
+    return model, tokenizer
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers``)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(inner, "language_model", None), "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__} has no model.layers: cannot capture hidden states")
+    return layers
+
+
+def check_aux_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(j) for j in layer_ids)
+    bad = [j for j in ids if not 0 <= j < num_layers]
+    if bad:
+        raise UserError(f"aux layer ids {bad} out of range: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+    return ids
+
+
+class AuxCapture:
+    """Capture the hidden states entering chosen decoder layers during every forward.
+
+    Usage::
+
+        cap = AuxCapture(model, (2, 15, 27))
+        model(...)
+        aux = cap.concat()  # [batch, seq, len(ids) * hidden], ids in the given order
+
+    The capture stays attached until ``close()``; each forward overwrites the last one.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
+        layers = decoder_layers(model)
+        self.layer_ids = check_aux_ids(layer_ids, len(layers))
+        self.states: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for j in sorted(set(self.layer_ids)):
+            self._handles.append(layers[j].register_forward_pre_hook(self._hook(j), with_kwargs=True))
+
+    def _hook(self, j: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.states[j] = hidden  # [batch, seq, hidden]
+        return hook
+
+    def concat(self) -> torch.Tensor:
+        return torch.cat([self.states[j] for j in self.layer_ids], dim=-1)  # [batch, seq, n*hidden]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> "AuxCapture":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
