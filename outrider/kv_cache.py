@@ -1,0 +1,209 @@
+"""A preallocated KV cache addressed by slot, so that rejecting draft tokens costs nothing.
+
+Contract:
+- ``SlotCache`` is a ``transformers`` ``Cache``: a stock model writes its keys and values (or, for
+  MLA, its compressed latents) through ``update`` into preallocated slots chosen by us. Every
+  row of the batch owns the same slots; a per-row ``valid`` mask says which slots hold
+  committed tokens of that row. A rejected token is never cropped or copied: its slot is simply
+  left invalid (masked) or reused by the next forward.
+- Rotary positions do not depend on slots: each row keeps its own ``lengths`` (the position id
+  of its next token), so rows of a batch may accept different numbers of tokens.
+- ``CachedLM`` runs one forward over ``n`` new tokens per row: it picks the slots, builds the
+  additive 4-D attention mask (committed slots of the row + causal or tree structure among the
+  new tokens), passes explicit position ids, and returns logits (and aux hidden states when
+  asked). ``commit(keep)`` then marks which of those ``n`` tokens each row keeps.
+- ``read_len="used"`` (default) hands attention only the slots written so far (cheap in eager
+  mode); ``read_len="max"`` always hands the whole buffer, giving fixed shapes for CUDA graphs.
+
+Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
+``max_len`` slots; asking for more is a clear error, never a silent overwrite.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from outrider.models import AuxCapture
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's buffers: keys/values ``[batch, heads, max_len, dim]``."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "SlotCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
+        B, n = self.owner.rows, self.owner.max_len
+        self.keys = key_states.new_zeros(B, key_states.shape[1], n, key_states.shape[3])
+        self.values = value_states.new_zeros(B, value_states.shape[1], n, value_states.shape[3])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [batch, heads, n, dim] for the n new tokens of this forward
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.owner.write_slots  # [n]
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        end = self.owner.read_len
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.owner.read_len, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.owner.ptr
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.owner.max_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class SlotCache(Cache):
+    """Slot-addressed cache shared by all layers of one model for one batch of requests."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device | str,
+                 read_len: str = "used"):
+        if read_len not in ("used", "max"):
+            raise ValueError(read_len)
+        self.rows = batch_size
+        self.max_len = max_len
+        self.static = read_len == "max"
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [batch, max_len]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [batch]
+        self.ptr = 0  # first slot not yet written by a committed forward
+        self.n_pending = 0
+        self.write_slots = torch.arange(0, device=device)
+        self.read_len = max_len
+
+    def begin(self, n: int) -> None:
+        """Reserve slots ``[ptr, ptr + n)`` for the next forward."""
+        if self.ptr + n > self.max_len:
+            raise RuntimeError(f"KV cache full: {self.ptr} + {n} slots > max_len {self.max_len}")
+        self.write_slots = torch.arange(self.ptr, self.ptr + n, device=self.valid.device)
+        self.read_len = self.max_len if self.static else self.ptr + n
+        self.n_pending = n
+
+    def attention_mask(self, query_valid: torch.Tensor, new_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[batch, 1, n, read_len]`` for the reserved forward.
+
+        query_valid: [batch, n] bool, False for padding queries (whose outputs are ignored)
+        new_mask:    [n, n] or [batch, n, n] bool, which new tokens each new token may see
+        """
+        B, n = query_valid.shape
+        p = self.ptr
+        old = self.valid[:, None, :p].expand(B, n, p)  # [batch, n, ptr]
+        new = new_mask.expand(B, n, n) & query_valid[:, None, :]
+        new = new | torch.eye(n, dtype=torch.bool, device=new.device)  # a query always sees itself
+        allowed = torch.cat([old, new], dim=-1)  # [batch, n, ptr + n]
+        if self.read_len > p + n:
+            pad = allowed.new_zeros(B, n, self.read_len - p - n)
+            allowed = torch.cat([allowed, pad], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep, per row, the new tokens where ``keep`` [batch, n] is True.
+
+        Kept tokens become visible to later forwards and advance the row's length. Slots after
+        the last token kept by any row are released for the next forward.
+        """
+        n = self.n_pending
+        assert keep.shape == (self.rows, n), (keep.shape, n)
+        p = self.ptr
+        self.valid[:, p:p + n] = keep
+        self.lengths += keep.sum(dim=1)
+        cols = keep.any(dim=0).nonzero()
+        used = int(cols.max()) + 1 if cols.numel() else 0
+        self.ptr = p + used
+        self.n_pending = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.ptr
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.read_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which this transformers version's ``forward`` takes the cache."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # [n, n]
+
+
+class CachedLM:
+    """A stock causal LM bound to a ``SlotCache`` for one batch of requests.
+
+    ``forward(ids, positions, query_valid, new_mask)`` runs the model over ``n`` new tokens per
+    row and returns logits ``[batch, n, vocab]``; when ``aux_layer_ids`` were given, ``self.aux``
+    holds the captured hidden states ``[batch, n, len(ids) * hidden]`` of the same forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
+                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "used"):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = SlotCache(model.config.num_hidden_layers, batch_size, max_len, self.device, read_len)
+        self.capture = AuxCapture(model, aux_layer_ids) if aux_layer_ids else None
+        self.aux: torch.Tensor | None = None
+        self._cache_kw = cache_kwarg(model)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cache.lengths  # [batch]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                query_valid: torch.Tensor | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # ids: [batch, n]; positions: [batch, n] (default: lengths + 0..n-1)
+        B, n = ids.shape
+        if positions is None:
+            positions = self.cache.lengths[:, None] + torch.arange(n, device=ids.device)
+        if query_valid is None:
+            query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
+        if new_mask is None:
+            new_mask = causal_mask(n, ids.device)
+        self.cache.begin(n)
+        mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0),
+                         use_cache=True, **{self._cache_kw: self.cache})
+        if self.capture is not None:
+            self.aux = self.capture.concat()
+        return out.logits  # [batch, n, vocab]
+
+    def commit(self, keep: torch.Tensor) -> None:
+        self.cache.commit(keep)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
