@@ -136,6 +136,16 @@ class SlotCache(Cache):
         self.ptr = p + used
         self.n_pending = 0
 
+    def rollback(self, num: torch.Tensor) -> None:
+        """Forget, per row, the last ``num[b]`` committed tokens (a draft model's rejected guesses)."""
+        # from_end[b, s]: committed tokens of row b at slots >= s
+        from_end = self.valid.flip(1).long().cumsum(1).flip(1)
+        drop = self.valid & (from_end <= num[:, None])
+        self.valid &= ~drop
+        self.lengths -= drop.sum(dim=1)
+        cols = self.valid.any(dim=0).nonzero()
+        self.ptr = int(cols.max()) + 1 if cols.numel() else 0
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.ptr
 
@@ -203,6 +213,9 @@ class CachedLM:
 
     def commit(self, keep: torch.Tensor) -> None:
         self.cache.commit(keep)
+
+    def rollback(self, num: torch.Tensor) -> None:
+        self.cache.rollback(num)
 
     def close(self) -> None:
         if self.capture is not None:

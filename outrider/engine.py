@@ -1,0 +1,217 @@
+"""SpecEngine: one code path for plain autoregressive and speculative decoding.
+
+Contract:
+    prefill -> loop { propose k -> one target forward over k+1 positions -> verify ->
+                      commit what was accepted -> feed the outcome back to the proposer }
+With no proposer (or k = 0) the same loop is plain autoregressive decoding, so the baseline and
+the speculative run share every line that is not speculation. Greedy output equals greedy
+decoding of the target token for token (up to floating-point reassociation; exact in float32
+on the CPU in our tests); sampled output follows the processed target distribution
+(``verify.py``). Rows of a batch accept different numbers of tokens and stop independently at
+an EOS token or at ``max_new_tokens``. A rejected token costs nothing: the slot cache keeps it
+masked (``kv_cache.py``).
+
+Not done here: continuous batching (requests join only at prefill), trees (see ``tree.py``),
+CUDA graphs (see the GPU fast path), prompt caching across calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from outrider.errors import UserError, require
+from outrider.kv_cache import CachedLM
+from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.sampling import RowRandom, SamplingParams, probs, sample
+from outrider.verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per row (EOS included when it ended the row)
+    k: int
+    steps: int = 0  # target forwards after prefill
+    row_steps: int = 0  # sum over rows of the steps in which the row was active
+    proposed: list[int] = field(default_factory=list)  # [k] drafts offered at position i
+    accepted: list[int] = field(default_factory=list)  # [k] drafts accepted at position i
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a verify step yields per row: 1 + accepted drafts (bonus token included).
+
+        Counted from the verifier's outcome, before truncation at EOS or max_new_tokens, as vLLM's
+        mean acceptance length is; 1.0 for plain decoding.
+        """
+        return 1.0 + sum(self.accepted) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def accept_rate_per_pos(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+def check_pair(target: torch.nn.Module, draft: torch.nn.Module, target_tok=None, draft_tok=None) -> None:
+    """Refuse a draft model that cannot propose target tokens (other vocabulary or tokenizer)."""
+    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    require(vt == vd, f"draft vocabulary size {vd} differs from the target's {vt}: "
+                      "use a draft with the target's tokenizer")
+    if target_tok is not None and draft_tok is not None:
+        require(target_tok.get_vocab() == draft_tok.get_vocab(),
+                "draft tokenizer differs from the target's (same size, other tokens): "
+                "use a draft trained with the target's tokenizer")
+
+
+class SpecEngine:
+    """Decode a batch of prompts with an optional proposer.
+
+    target: a stock Hugging Face causal LM (eval mode); proposer: None for plain decoding.
+    """
+
+    def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
+                 sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
+                 read_len: str = "used"):
+        if proposer is not None:
+            require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
+        self.target = target
+        self.proposer = proposer
+        self.k = k if proposer is not None else 0
+        self.sampling = sampling
+        self.eos = set(int(e) for e in eos_ids)
+        self.read_len = read_len
+        self.device = next(target.parameters()).device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _clock(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def _first_token(self, logits: torch.Tensor, rand: RowRandom) -> torch.Tensor:
+        # logits: [batch, vocab]
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        return sample(probs(logits, self.sampling), rand.uniform(1, logits.device)[:, 0])
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerationResult:
+        require(len(prompts) > 0, "no prompts given")
+        require(all(len(p) > 0 for p in prompts), "empty prompt: give at least one token per prompt")
+        require(max_new_tokens >= 1, f"max new tokens must be >= 1, got {max_new_tokens}")
+        B, k, dev = len(prompts), self.k, self.device
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
+        require(not bad, f"prompt token id {bad[:1]} outside the target vocabulary of {vocab}")
+        plens = torch.tensor([len(p) for p in prompts], device=dev)
+        P = int(plens.max())
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        if limit and P + max_new_tokens > limit:
+            raise UserError(f"prompt ({P}) + max new tokens ({max_new_tokens}) exceed the target's "
+                            f"{limit} positions: shorten the prompt or ask for fewer tokens")
+        max_len = P + (max_new_tokens + 1) * (k + 1) + 1
+        aux_ids = self.proposer.aux_layer_ids if self.proposer is not None else None
+        target = CachedLM(self.target, B, max_len, aux_layer_ids=aux_ids, read_len=self.read_len)
+        rand = RowRandom(B, self.sampling.seed, stream=0)
+        result = GenerationResult(tokens=[[] for _ in range(B)], k=k, proposed=[0] * k, accepted=[0] * k)
+        try:
+            t0 = self._clock()
+            ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+            for b, p in enumerate(prompts):
+                ids[b, :len(p)] = torch.tensor([int(t) for t in p], device=dev)
+            valid = torch.arange(P, device=dev)[None, :] < plens[:, None]  # [batch, P]
+            logits = target.forward(ids, query_valid=valid)  # [batch, P, vocab]
+            target.commit(valid)
+            rows = torch.arange(B, device=dev)
+            last = self._first_token(logits[rows, plens - 1], rand)  # [batch]
+            histories = [list(map(int, p)) for p in prompts]
+            active = torch.ones(B, dtype=torch.bool, device=dev)
+            for b, t in enumerate(last.tolist()):
+                self._emit(b, [t], result, histories, active, max_new_tokens)
+            result.prefill_s = self._clock() - t0
+            if self.proposer is not None:
+                self.proposer.start(StartContext(
+                    histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
+                    max_len=max_len, target_aux=target.aux, device=dev))
+            t_dec = time.perf_counter()
+            while bool(active.any()):
+                last = self._step(target, last, active, rand, result, histories, max_new_tokens)
+            result.decode_s = self._clock() - t_dec
+        finally:
+            target.close()
+            if self.proposer is not None:
+                self.proposer.close()
+        return result
+
+    def _step(self, target: CachedLM, last: torch.Tensor, active: torch.Tensor, rand: RowRandom,
+              result: GenerationResult, histories: list[list[int]], max_new: int) -> torch.Tensor:
+        B, dev = last.shape[0], last.device
+        t0 = self._clock()
+        if self.proposer is not None:
+            draft = self.proposer.propose(self.k)
+            draft.num = torch.where(active, draft.num, torch.zeros_like(draft.num))
+        else:
+            draft = Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
+        t1 = self._clock()
+        inputs = torch.cat([last[:, None], draft.tokens], dim=1)  # [batch, k+1]
+        logits = target.forward(inputs)  # [batch, k+1, vocab]
+        kk = draft.tokens.shape[1]
+        if self.sampling.greedy:
+            res = verify_greedy(draft.tokens, draft.num, logits)
+        else:
+            u = rand.uniform(kk + 1, dev)
+            res = verify_sampling(draft.tokens, draft.num, draft.q, probs(logits, self.sampling), u[:, :kk], u[:, kk])
+        n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))
+        keep = (torch.arange(kk + 1, device=dev)[None, :] <= n_acc[:, None]) & active[:, None]
+        target.commit(keep)
+        was_active = active.clone()
+        n_list, tok_list = n_acc.tolist(), res.tokens.tolist()
+        for b in range(B):
+            if not bool(was_active[b]):
+                continue
+            result.row_steps += 1
+            self._emit(b, tok_list[b][:n_list[b] + 1], result, histories, active, max_new)
+        for i, (prop, acc) in enumerate(zip((draft.num[was_active, None] > torch.arange(kk, device=dev)).sum(0).tolist(),
+                                            (n_acc[was_active, None] > torch.arange(kk, device=dev)).sum(0).tolist())):
+            result.proposed[i] += prop
+            result.accepted[i] += acc
+        result.steps += 1
+        t2 = self._clock()
+        result.propose_s += t1 - t0
+        result.verify_s += t2 - t1
+        if self.proposer is not None:
+            self.proposer.observe(Outcome(draft, n_acc, res.tokens, active, target.aux))
+        return res.tokens[torch.arange(B, device=dev), n_acc]
+
+    def _emit(self, b: int, toks: list[int], result: GenerationResult, histories: list[list[int]],
+              active: torch.Tensor, max_new: int) -> None:
+        out = result.tokens[b]
+        for t in toks:
+            out.append(t)
+            histories[b].append(t)
+            if t in self.eos or len(out) >= max_new:
+                active[b] = False
+                return

@@ -1,0 +1,64 @@
+"""The proposer protocol that ``SpecEngine`` drives.
+
+Contract: the engine calls ``start(ctx)`` once after the target's prefill, then per step
+``propose(k) -> Draft`` (k tokens per row, possibly fewer real ones) and, after verification,
+``observe(outcome)``. A proposer never sees the target's logits of future positions, and it
+never changes what the verifier emits: it only proposes. Probabilities ``q`` are returned when
+the proposer sampled from a distribution; a deterministic proposer returns ``q=None`` and is
+verified as a point mass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from outrider.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [batch, k] long; positions >= num[b] are padding
+    num: torch.Tensor  # [batch] long, real drafted tokens per row
+    q: torch.Tensor | None = None  # [batch, k, vocab] draft probabilities, or None (point mass)
+
+
+@dataclass
+class StartContext:
+    histories: list[list[int]]  # per row: prompt + emitted tokens, kept current by the engine
+    prompt_lens: torch.Tensor  # [batch]
+    last: torch.Tensor  # [batch] the first emitted token (not yet in any cache)
+    sampling: SamplingParams
+    k: int
+    max_len: int  # cache slots a proposer's own cache needs for this request batch
+    target_aux: torch.Tensor | None = None  # [batch, P, n_aux*hidden] aux states of the prompt (right-padded)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass
+class Outcome:
+    draft: Draft
+    num_accepted: torch.Tensor  # [batch]
+    tokens: torch.Tensor  # [batch, k+1]; row b emitted tokens[b, :num_accepted[b]+1]
+    active: torch.Tensor  # [batch] bool, rows still generating after this step
+    target_aux: torch.Tensor | None = None  # [batch, k+1, n_aux*hidden] aux at the verify inputs
+
+
+class Proposer:
+    """Base class: subclasses implement ``propose`` and, if stateful, ``start``/``observe``."""
+
+    name = "base"
+    aux_layer_ids: tuple[int, ...] | None = None  # set when the proposer needs target hidden states
+
+    def start(self, ctx: StartContext) -> None:
+        self.ctx = ctx
+
+    def propose(self, k: int) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, outcome: Outcome) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
