@@ -1,0 +1,360 @@
+"""``outrider plan``: predicted speculative-decoding speedup per method, k and batch size.
+
+Contract:
+- ``plan(target, hardware, ...)`` needs no weights: ``target`` is a model folder or a
+  config-only folder (read with ``load_config_dict`` + ``arch_info``), or a built-in preset
+  (``kimi-k2.5``, ``default`` = SmolLM2-135M). ``hardware`` is a built-in profile name or a
+  profile JSON file (``outrider.cost_model.load_profile``).
+- Acceptance per method comes from a bench JSON (``acceptance``: records with ``method``,
+  ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
+  ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
+  low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed.
+- ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
+  ``verify_step_ms``...) or a JSON object of measured inputs
+  (``single_stream_tokens_per_s``, ``allreduce_share``, ``collectives_per_token``); see
+  ``cost_model.calibrate`` / ``calibrate_measured``.
+- Prints one table per batch size (method x k: expected tokens, verify/step cost ratio,
+  draft round, tokens/s, speedup) and a recommendation per batch naming the dominant cost
+  terms; ``json_path`` receives the rows (atomically), ``plot_dir`` PNG plots when
+  matplotlib is installed. Every user mistake is a one-line ``UserError``.
+
+Not done here: measuring anything (``bench`` does), choosing tree shapes, memory planning
+beyond a note when the weights do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from outrider.cost_model import (
+    Acceptance,
+    Calibration,
+    DraftSpec,
+    HardwareProfile,
+    ModelShape,
+    Prediction,
+    calibrate as fit_calibration,
+    calibrate_measured,
+    default_precision,
+    eagle3_head_shape,
+    load_profile,
+    parse_precision,
+    predict,
+    step_cost,
+)
+from outrider.errors import UserError
+from outrider.fsutil import atomic_write_json
+from outrider.models import ArchInfo, arch_info, load_config_dict
+
+PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
+NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
+METHODS = ("eagle3", "draft", "ngram")
+
+KIMI_K25 = ArchInfo(
+    model_type="kimi_k2", architectures=("DeepseekV3ForCausalLM",), num_layers=61, hidden_size=7168,
+    vocab_size=163840, num_heads=64, num_kv_heads=64, head_dim=192, attention="MLA", intermediate_size=18432,
+    max_position_embeddings=262144, tie_word_embeddings=False, num_experts=384, experts_per_token=8,
+    num_shared_experts=1, moe_intermediate_size=2048, first_dense_layers=1, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_mtp_layers=0, dtype="bfloat16",
+    quantization="compressed-tensors-int4",
+)
+SMOLLM2_135M = ArchInfo(
+    model_type="llama", architectures=("LlamaForCausalLM",), num_layers=30, hidden_size=576, vocab_size=49152,
+    num_heads=9, num_kv_heads=3, head_dim=64, attention="GQA", intermediate_size=1536,
+    max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
+)
+# Kimi-K2.5 ships INT4 (group 32, bf16 scales) routed experts; everything else is bf16.
+PRESETS: dict[str, tuple[str, ArchInfo, str]] = {
+    "kimi-k2.5": ("Kimi-K2.5", KIMI_K25, "int4-g32/bf16"),
+    "default": ("SmolLM2-135M", SMOLLM2_135M, "bf16"),
+}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    batch: int
+    method: str | None  # None: do not speculate
+    k: int | None
+    speedup: float
+    tokens_per_s: float
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "method": self.method, "k": self.k, "speedup": self.speedup,
+                "tokens_per_s": self.tokens_per_s, "text": self.text}
+
+
+@dataclass
+class PlanResult:
+    target: str
+    hardware: HardwareProfile
+    tp: int
+    context: int
+    predictions: list[Prediction]
+    recommendations: list[Recommendation]
+    acceptance_sources: dict[str, str]
+    calibration: Calibration | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [p.to_row() for p in self.predictions]
+
+    def best(self, batch: int) -> Prediction | None:
+        cands = [p for p in self.predictions if p.batch == batch]
+        return max(cands, key=lambda p: p.speedup) if cands else None
+
+
+def resolve_target(target: str) -> tuple[str, ArchInfo, str | None]:
+    """(display name, ArchInfo, preset precision or None) for a preset name or a model folder."""
+    key = str(target).strip().lower()
+    if key in PRESETS:
+        name, arch, prec = PRESETS[key]
+        return name, arch, prec
+    arch = arch_info(load_config_dict(target))
+    return Path(str(target)).name or str(target), arch, None
+
+
+def _read_json(path: str, what: str) -> Any:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{what} file not found: {p}")
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {what} file {p}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def _records(data: Any, path: str) -> list[dict]:
+    if isinstance(data, dict) and isinstance(data.get("records"), list):
+        data = data["records"]
+    if isinstance(data, dict) and "method" in data:
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise UserError(f"{path}: expected a list of bench records (JSON objects), as `outrider bench --json` writes")
+    return data
+
+
+def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
+    """method -> k -> Acceptance from a bench JSON; autoregressive records are skipped."""
+    out: dict[str, dict[int, Acceptance]] = {}
+    for i, r in enumerate(_records(_read_json(path, "acceptance"), path)):
+        method = r.get("method")
+        if not isinstance(method, str):
+            raise UserError(f"{path}: record {i} has no 'method'")
+        if method == "ar":
+            continue
+        k = r.get("k")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise UserError(f"{path}: record {i} ({method}) needs an integer 'k' >= 1")
+        out.setdefault(method, {})[k] = Acceptance.from_record(r, origin=Path(path).name)
+    if not out:
+        raise UserError(f"{path}: no speculative records (method eagle3, ngram or draft) to take acceptance from")
+    return out
+
+
+def _pick(table: dict[int, Acceptance], k: int) -> Acceptance:
+    """The record measured at this k, else the one with the most positions (largest k)."""
+    return table[k] if k in table else table[max(table)]
+
+
+def _positive_ints(values: Sequence[int], what: str) -> list[int]:
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{what} must be integers >= 1, got {v!r}")
+        out.append(v)
+    if not out:
+        raise UserError(f"give at least one {what}")
+    return sorted(set(out))
+
+
+def _histogram(path: str) -> list[float]:
+    data = _read_json(path, "routing histogram")
+    if not isinstance(data, list) or not data or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0
+                                                      for x in data):
+        raise UserError(f"{path}: a routing histogram is a JSON list of token counts per expert (numbers >= 0)")
+    return [float(x) for x in data]
+
+
+def _load_calibration(path: str, shape: ModelShape, hw: HardwareProfile, tp: int, context: int) -> Calibration:
+    data = _read_json(path, "calibration")
+    name = Path(path).name
+    if isinstance(data, dict) and "single_stream_tokens_per_s" in data:
+        allowed = {"single_stream_tokens_per_s", "allreduce_share", "collectives_per_token"}
+        extra = sorted(set(data) - allowed)
+        if extra:
+            raise UserError(f"{path}: unknown key(s) {', '.join(extra)} in measured inputs "
+                            f"(allowed: {', '.join(sorted(allowed))})")
+        return calibrate_measured(shape, hw, tp, data["single_stream_tokens_per_s"], data.get("allreduce_share"),
+                                  data.get("collectives_per_token"), context, origin=name)
+    return fit_calibration(_records(data, path), shape, hw, tp, context, origin=name)
+
+
+def _term_list(terms: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{n} {s:.0%}" for n, s in terms)
+
+
+def _recommend(batch: int, preds: list[Prediction]) -> Recommendation:
+    best = max(preds, key=lambda p: p.speedup)
+    if best.speedup > 1.0:
+        text = (f"batch {batch}: {best.method} with k={best.k} -> {best.speedup:.2f}x "
+                f"({best.tokens_per_s:,.0f} vs {best.ar_tokens_per_s:,.0f} tok/s); "
+                f"{best.expected_tokens:.2f} tokens per step for {best.verify_cost_ratio:.2f}x the cost of a plain step; "
+                f"dominant terms: {_term_list(best.dominant(3))}")
+        return Recommendation(batch, best.method, best.k, best.speedup, best.tokens_per_s, text)
+    verify_shares = best.verify.shares()
+    text = (f"batch {batch}: do not speculate: the best option, {best.method} k={best.k}, predicts "
+            f"{best.speedup:.2f}x: {best.expected_tokens:.2f} tokens per step do not pay for a verify step "
+            f"{best.verify_cost_ratio:.2f}x a plain one plus {best.draft_round_s * 1e3:.2f} ms of drafting; "
+            f"verify step dominated by {_term_list(verify_shares[:3])}")
+    return Recommendation(batch, None, None, best.speedup, best.ar_tokens_per_s, text)
+
+
+def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,), acceptance: str | None = None,
+         tau: float | None = None, alpha: float | None = None, ks: Sequence[int] = range(1, 8),
+         weight_dtype: str | None = None, calibrate: str | None = None, context: int = 2048,
+         json_path: str | None = None, plot_dir: str | None = None, console=None, *,
+         tau_k: int = 3, draft: str | None = None, draft_vocab: int = 32000,
+         routing_histogram: str | Sequence[float] | None = None) -> PlanResult:
+    """Predict tokens/s and speedup for each method x k x batch; print, and write JSON/plots.
+
+    ``tau`` is the acceptance length measured at ``tau_k`` draft tokens (published K2.5 heads:
+    ~3 at k=3); ``alpha`` the per-token acceptance. Both set EAGLE-3's (and ``draft``'s)
+    acceptance. ``draft`` is a draft model (folder or preset) for the ``draft`` method.
+    ``routing_histogram`` (a list, or a JSON file holding one) counts tokens per routed expert
+    and replaces uniform routing in the distinct-expert estimate.
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"--tp must be an integer >= 1, got {tp!r}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise UserError(f"context must be an integer >= 0, got {context!r}")
+    batches = _positive_ints(list(batches), "batch sizes")
+    ks = _positive_ints(list(ks), "k values")
+    given = [n for n, v in (("--acceptance", acceptance), ("--tau", tau), ("--alpha", alpha)) if v is not None]
+    if len(given) > 1:
+        raise UserError(f"give only one of --acceptance, --tau, --alpha (got {', '.join(given)})")
+
+    if isinstance(routing_histogram, (str, Path)):
+        routing_histogram = _histogram(str(routing_histogram))
+    name, arch, preset_prec = resolve_target(target)
+    if routing_histogram is not None and len(routing_histogram) != arch.num_experts:
+        raise UserError(f"the routing histogram has {len(routing_histogram)} entries but {name} has "
+                        f"{arch.num_experts} routed experts: give one token count per expert")
+    precision = parse_precision(weight_dtype or preset_prec) if (weight_dtype or preset_prec) else default_precision(arch)
+    shape = ModelShape.from_arch(arch, precision, name=name, routing_histogram=routing_histogram)
+    hw = load_profile(hardware)
+    notes: list[str] = []
+
+    calibration = None
+    if calibrate is not None:
+        calibration = _load_calibration(calibrate, shape, hw, tp, context)
+        hw = calibration.apply(hw)
+        notes.append(calibration.summary())
+
+    drafts: dict[str, DraftSpec] = {"eagle3": eagle3_head_shape(arch, draft_vocab), "ngram": DraftSpec("ngram")}
+    if draft is not None:
+        dname, darch, dprec = resolve_target(draft)
+        if darch.vocab_size != arch.vocab_size:
+            notes.append(f"draft {dname} has vocab {darch.vocab_size}, target {arch.vocab_size}: "
+                         f"a draft model must share the tokenizer to be served")
+        dp = parse_precision(dprec) if dprec else default_precision(darch)
+        drafts["draft"] = DraftSpec("draft", ModelShape.from_arch(darch, dp, name=dname))
+    if calibration is not None:
+        for method, table in calibration.draft_round_s.items():
+            if method in drafts:
+                d = drafts[method]
+                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table))
+
+    accept: dict[str, dict[int, Acceptance]]
+    sources: dict[str, str] = {}
+    if acceptance is not None:
+        accept = acceptance_from_bench(acceptance)
+        for m in sorted(set(accept) - set(METHODS)):
+            notes.append(f"{Path(acceptance).name}: method '{m}' is not modelled; skipped")
+            del accept[m]
+        if "draft" in accept and "draft" not in drafts:
+            notes.append("acceptance has a 'draft' record but no --draft model was given; skipped")
+            del accept["draft"]
+        for m, table in accept.items():
+            sources[m] = ", ".join(a.source for _, a in sorted(table.items()))
+    else:
+        if tau is not None:
+            spec_acc = Acceptance.from_tau(float(tau), tau_k)
+        elif alpha is not None:
+            spec_acc = Acceptance.from_alpha(float(alpha))
+        else:
+            spec_acc = Acceptance.from_tau(PUBLISHED_EAGLE3_TAU, 3,
+                                           source=f"assumed tau={PUBLISHED_EAGLE3_TAU:g} at k=3 (published K2.5 EAGLE-3 heads)")
+        accept = {"eagle3": {tau_k: spec_acc}}
+        if "draft" in drafts:
+            accept["draft"] = {tau_k: spec_acc}
+        low = f"assumed alpha={NGRAM_ALPHA:g} (low: reasoning output rarely repeats)"
+        accept["ngram"] = {1: Acceptance.from_alpha(NGRAM_ALPHA, source=low)}
+        for m, table in accept.items():
+            sources[m] = next(iter(table.values())).source
+
+    weights_per_gpu = shape.weight_bytes / tp
+    if weights_per_gpu > hw.memory_capacity_bytes:
+        notes.append(f"the weights need {weights_per_gpu / 1e9:.0f} GB per GPU but {hw.name} has "
+                     f"{hw.memory_capacity_bytes / 1e9:.0f} GB: raise --tp; the plan assumes they fit")
+
+    predictions: list[Prediction] = []
+    for b in batches:
+        for m in METHODS:
+            if m not in accept:
+                continue
+            for k in ks:
+                predictions.append(predict(shape, hw, drafts[m], _pick(accept[m], k), k, b, tp, context))
+    recommendations = [_recommend(b, [p for p in predictions if p.batch == b]) for b in batches]
+    result = PlanResult(name, hw, tp, context, predictions, recommendations, sources, calibration, notes)
+
+    _print(result, shape, console)
+    if json_path is not None:
+        atomic_write_json(json_path, result.rows)
+    if plot_dir is not None:
+        from outrider.plot import plot_plan
+
+        written = plot_plan(result, plot_dir)
+        if written is None:
+            console.print("plots skipped: matplotlib is not installed (pip install matplotlib)")
+        else:
+            console.print(f"plots: {', '.join(str(p) for p in written)}")
+    return result
+
+
+def _print(result: PlanResult, shape: ModelShape, console) -> None:
+    from rich.table import Table
+
+    hw = result.hardware
+    console.print(f"[bold]{result.target}[/bold] ({shape.precision.label}, {shape.weight_bytes / 1e9:.3g} GB of weights) "
+                  f"on {result.tp} x {hw.name} (TP {result.tp}, {hw.interconnect}), context {result.context}")
+    for method, src in result.acceptance_sources.items():
+        console.print(f"  acceptance {method}: {src}")
+    for b in sorted({p.batch for p in result.predictions}):
+        preds = [p for p in result.predictions if p.batch == b]
+        ar = step_cost(shape, hw, result.tp, 1, b, result.context)
+        title = (f"batch {b}: autoregressive {preds[0].ar_tokens_per_s:,.0f} tok/s, step {ar.total_s * 1e3:.2f} ms "
+                 f"({_term_list(ar.dominant(2))})")
+        table = Table(title=title, title_justify="left")
+        for col in ("method", "k", "E\\[tok]", "verify/AR", "draft ms", "step ms", "tok/s", "speedup"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for p in preds:
+            style = "green" if p.speedup > 1.0 else "red"
+            table.add_row(p.method, str(p.k), f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
+                          f"{p.draft_round_s * 1e3:.3f}", f"{(p.verify_step_s + p.draft_round_s) * 1e3:.2f}",
+                          f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]")
+        console.print(table)
+    console.print("[bold]Recommendation[/bold]")
+    for r in result.recommendations:
+        console.print(f"  {r.text}")
+    for n in result.notes:
+        console.print(f"  note: {n}")
