@@ -787,20 +787,25 @@ def _parse_timing_records(records: Any, context: int, origin: str):
     points: list[tuple[int, int, int, float]] = []  # (n, b, c, seconds)
     drafts: dict[str, dict[int, float]] = {}
     for r in records:
-        b = r.get("batch", 1)
+        b = r.get("batch", r.get("batch_size", 1))
         c = r.get("context", context)
         if not isinstance(b, int) or b < 1 or not isinstance(c, int) or c < 0:
             raise UserError(f"{origin}: 'batch' and 'context' must be integers (batch >= 1, context >= 0)")
+        plain = r.get("method") == "ar" or r.get("k") == 0  # an autoregressive record: its steps are n=1
         if r.get("ar_step_ms") is not None:
             points.append((1, b, c, _ms(r["ar_step_ms"], "ar_step_ms", origin)))
         if r.get("verify_step_ms") is not None:
-            for k, s in _by_k(r["verify_step_ms"], r, "verify_step_ms", origin).items():
-                points.append((k + 1, b, c, s))
+            if plain and not isinstance(r["verify_step_ms"], dict):
+                points.append((1, b, c, _ms(r["verify_step_ms"], "verify_step_ms", origin)))
+            else:
+                for k, s in _by_k(r["verify_step_ms"], r, "verify_step_ms", origin).items():
+                    points.append((k + 1, b, c, s))
         if r.get("verify_step_ms_by_n") is not None:
             for n, s in _by_k(r["verify_step_ms_by_n"], {}, "verify_step_ms_by_n", origin).items():
                 points.append((n, b, c, s))
-        if r.get("draft_step_ms") is not None and r.get("method"):
-            drafts.setdefault(str(r["method"]), {}).update(_by_k(r["draft_step_ms"], r, "draft_step_ms", origin))
+        draft_ms = r.get("draft_step_ms", r.get("propose_step_ms"))
+        if draft_ms is not None and r.get("method") and not plain:
+            drafts.setdefault(str(r["method"]), {}).update(_by_k(draft_ms, r, "draft_step_ms", origin))
     has_ar = any(n == 1 for n, *_ in points)
     has_verify = any(n > 1 for n, *_ in points)
     if not (has_ar and has_verify):
@@ -826,8 +831,9 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
 
     Inputs are *step times only*: ``ar_step_ms`` (one token per sequence) and ``verify_step_ms``
     (k+1 tokens; ``{k: ms}`` or a number with the record's ``k``; ``verify_step_ms_by_n`` keys by
-    n instead), at the record's ``batch`` (default 1) and ``context`` (default ``context``).
-    ``draft_step_ms`` (per round of k proposals) is kept as measured and used for that method.
+    n instead; in an ``ar`` / k=0 record it is a one-token step), at the record's ``batch``
+    (or ``batch_size``, default 1) and ``context`` (default ``context``). ``draft_step_ms`` (or
+    ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method.
     Measured speedups are never read.
 
     Fit: for each (eta_mem, eta_cmp) on a log grid, the overhead O is the mean residual

@@ -327,3 +327,19 @@ def test_calibration_from_measured_inputs(kimi):
         calibrate_measured(kimi, hw, 1, 60.0, allreduce_share=0.3)
     with pytest.raises(UserError):
         calibrate_measured(kimi, hw, 8, 0.0)
+
+
+def test_calibration_reads_bench_records_as_written(smol):
+    """`outrider bench --json` records: scalar step times at the record's k, an `ar` record, batch_size."""
+    hw = load_profile("h200")
+    truth = replace(hw, memory_efficiency=0.6, layer_overhead_s=40e-6)
+    ar_ms = step_cost(smol, truth, 1, 1, 1, 2048).total_s * 1e3
+    recs = [{"method": "ar", "k": 0, "batch_size": 1, "verify_step_ms": ar_ms, "ar_step_ms": ar_ms,
+             "accept_rate_per_pos": [], "tau": 1.0}]
+    for k in (1, 3, 7):
+        recs.append({"method": "ngram", "k": k, "batch_size": 1, "ar_step_ms": ar_ms, "propose_step_ms": 0.05,
+                     "verify_step_ms": step_cost(smol, truth, 1, k + 1, 1, 2048).total_s * 1e3,
+                     "speedup_vs_ar": 99.0})
+    cal = calibrate(recs, smol, hw)
+    assert cal.max_relative_error < 0.01 and len(cal.points) == 4
+    assert cal.draft_round_s == {"ngram": {1: 5e-5, 3: 5e-5, 7: 5e-5}}
