@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask_mode(path: str | os.PathLike, base: int = 0o666) -> None:
+    """Give a ``mkstemp`` file (always 0600) the mode a plain ``open`` would have given it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, base & ~mask)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -27,6 +34,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _umask_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -57,6 +65,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _umask_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -80,6 +89,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _umask_mode(tmp, 0o777)
     old = None
     if path.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))

@@ -1,0 +1,244 @@
+"""Benchmarks: acceptance and speed of one method against the autoregressive baseline, same run.
+
+Contract: ``bench(...)`` loads the target once, draws prompts (by default first user turns of
+the held-out ShareGPT split, rendered with the target's chat template), warms up, then decodes
+the same prompts with plain autoregressive decoding (our engine, and optionally Hugging Face
+``generate``) and with the chosen method. It returns one record (and writes a JSON list of
+records atomically) with at least: method, k, num_prompts, new_tokens, tau,
+accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
+``lossless`` is only claimed for greedy runs: every output equals the autoregressive output.
+Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
+
+Not done here: server-level load tests, latency percentiles under concurrency.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from outrider.engine import GenerationResult, SpecEngine, check_pair, eos_token_ids
+from outrider.errors import UserError, require
+from outrider.fsutil import atomic_write_json
+from outrider.proposers.base import Proposer
+from outrider.sampling import SamplingParams
+
+METHODS = ("ar", "ngram", "draft", "eagle3")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    ids = list(ids)
+    return ids[-max_prompt_tokens:]
+
+
+def load_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
+                 max_prompt_tokens: int = 512) -> list[list[int]]:
+    """Token ids of ``num_prompts`` prompts: held-out ShareGPT, a .txt (one per line) or .json list."""
+    require(num_prompts >= 1, f"--num-prompts must be >= 1, got {num_prompts}")
+    if source == "sharegpt":
+        from outrider import assets
+
+        texts = assets.first_user_turns(assets.load_sharegpt(), heldout_only=True, limit=num_prompts)
+    else:
+        path = Path(source)
+        require(path.exists(), f"prompt file not found: {path}")
+        raw = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            try:
+                texts = [str(t) for t in json.loads(raw)]
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path} is not a JSON list of prompt strings: {e}") from None
+        else:
+            texts = [line for line in raw.splitlines() if line.strip()]
+        texts = texts[:num_prompts]
+    require(len(texts) > 0, f"no prompts in {source}")
+    return [render_prompt(tokenizer, t, max_prompt_tokens) for t in texts]
+
+
+def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
+                   device: torch.device | None = None, dtype: torch.dtype | None = None,
+                   ngram_min: int = 1, ngram_max: int = 4) -> Proposer | None:
+    """The proposer for ``method``; ``draft`` names a draft model or an EAGLE-3 head."""
+    require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
+    if method == "ar":
+        return None
+    if method == "ngram":
+        from outrider.proposers.ngram import NgramProposer
+
+        return NgramProposer(ngram_min, ngram_max)
+    require(draft is not None, f"--method {method} needs --draft")
+    if method == "draft":
+        from outrider.models import load_model
+        from outrider.proposers.draft_model import DraftModelProposer
+
+        dmodel, dtok = load_model(draft, device=device, dtype=dtype)
+        check_pair(target, dmodel, tokenizer, dtok)
+        return DraftModelProposer(dmodel)
+    from outrider.proposers.eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer.load(draft, target, device=device)
+
+
+def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int
+         ) -> tuple[list[list[int]], float, list[GenerationResult]]:
+    outs, results = [], []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        r = engine.generate(prompts[i:i + batch_size], max_new)
+        outs.extend(r.tokens)
+        results.append(r)
+    engine._sync()
+    return outs, time.perf_counter() - t0, results
+
+
+def _hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
+                 pad_id: int) -> tuple[list[list[int]], float]:
+    outs = []
+    dev = next(model.parameters()).device
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        P = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), P), pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(chunk), P, dtype=torch.long, device=dev)
+        for b, p in enumerate(chunk):  # left padding, as generate expects
+            ids[b, P - len(p):] = torch.tensor(p, device=dev)
+            mask[b, P - len(p):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=list(eos) or None, pad_token_id=pad_id)
+        for b in range(len(chunk)):
+            toks = out[b, P:].tolist()
+            for j, t in enumerate(toks):
+                if t in eos:
+                    toks = toks[:j + 1]
+                    break
+            outs.append(toks)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return outs, time.perf_counter() - t0
+
+
+def _merge(results: list[GenerationResult]) -> dict[str, Any]:
+    steps = sum(r.steps for r in results)
+    row_steps = sum(r.row_steps for r in results)
+    k = results[0].k
+    proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
+    accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
+    return {
+        "steps": steps,
+        "tau": 1.0 + sum(accepted) / row_steps if row_steps else 0.0,
+        "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
+        "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
+        "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
+        "prefill_s": sum(r.prefill_s for r in results),
+    }
+
+
+def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_prompts: int = 10,
+          max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
+          prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
+          hf_baseline: bool = False, json_path: str | None = None, console=None,
+          loaded: tuple | None = None) -> dict[str, Any]:
+    """Measure ``method`` against autoregressive decoding on the same prompts; return one record."""
+    from outrider.models import load_model, parse_dtype
+
+    require(k >= 1, f"--k must be >= 1, got {k}")
+    require(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
+    require(max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
+    model, tokenizer = loaded if loaded is not None else load_model(target, device=device, dtype=dtype)
+    dev = next(model.parameters()).device
+    torch_dtype = next(model.parameters()).dtype
+    prompt_ids = load_prompts(tokenizer, prompts, num_prompts)
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    eos = eos_token_ids(model, tokenizer)
+    proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype)
+    ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos)
+    spec = SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos) if proposer else ar
+    for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
+        engine.generate(prompt_ids[:1], min(8, max_new_tokens))
+    ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
+    sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens)
+    ar_tokens = sum(len(t) for t in ar_out)
+    sp_tokens = sum(len(t) for t in sp_out)
+    m = _merge(sp_res)
+    ar_m = _merge(ar_res)
+    agree = sum(a == b for a, b in zip(ar_out, sp_out))
+    record: dict[str, Any] = {
+        "method": method,
+        "k": k if proposer else 0,
+        "target": str(target),
+        "draft": draft,
+        "num_prompts": len(prompt_ids),
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "new_tokens": sp_tokens,
+        "tau": m["tau"],
+        "accept_rate_per_pos": m["accept_rate_per_pos"],
+        "tokens_per_s": sp_tokens / sp_s,
+        "ar_tokens_per_s": ar_tokens / ar_s,
+        "speedup_vs_ar": (sp_tokens / sp_s) / (ar_tokens / ar_s),
+        "lossless": (agree == len(ar_out)) if sampling.greedy else None,
+        "greedy_agreement": agree / len(ar_out) if sampling.greedy else None,
+        "ar_step_ms": ar_m["verify_step_ms"],
+        "verify_step_ms": m["verify_step_ms"],
+        "propose_step_ms": m["propose_step_ms"],
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(torch_dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "git_commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+    }
+    if hf_baseline:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+        hf_out, hf_s = _hf_generate(model, prompt_ids, batch_size, max_new_tokens, eos, pad)
+        record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
+        record["ar_vs_hf"] = record["ar_tokens_per_s"] / record["hf_tokens_per_s"]
+        record["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
+    if json_path:
+        atomic_write_json(json_path, [record])
+    if console is not None:
+        print_table([record], console)
+    return record
+
+
+def print_table(records: list[dict[str, Any]], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="outrider bench")
+    for col in ("method", "k", "tau", "accept/pos", "tok/s", "AR tok/s", "speedup", "lossless"):
+        table.add_column(col, justify="right")
+    for r in records:
+        acc = " ".join(f"{a:.2f}" for a in r["accept_rate_per_pos"]) or "-"
+        lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
+        table.add_row(r["method"], str(r["k"]), f"{r['tau']:.2f}", acc, f"{r['tokens_per_s']:.1f}",
+                      f"{r['ar_tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x", lossless)
+    console.print(table)
+    for r in records:
+        if "hf_tokens_per_s" in r:
+            console.print(f"transformers generate: {r['hf_tokens_per_s']:.1f} tok/s; "
+                          f"our AR is {r['ar_vs_hf']:.2f}x of it")

