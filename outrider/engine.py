@@ -143,10 +143,11 @@ class SpecEngine:
             for b, p in enumerate(prompts):
                 ids[b, :len(p)] = torch.tensor([int(t) for t in p], device=dev)
             valid = torch.arange(P, device=dev)[None, :] < plens[:, None]  # [batch, P]
-            logits = target.forward(ids, query_valid=valid)  # [batch, P, vocab]
+            ends, which = torch.unique(plens - 1, return_inverse=True)  # last prompt index per row
+            logits = target.forward(ids, query_valid=valid, logits_at=ends)  # [batch, len(ends), vocab]
             target.commit(valid)
             rows = torch.arange(B, device=dev)
-            last = self._first_token(logits[rows, plens - 1], rand)  # [batch]
+            last = self._first_token(logits[rows, which], rand)  # [batch]
             histories = [list(map(int, p)) for p in prompts]
             active = torch.ones(B, dtype=torch.bool, device=dev)
             for b, t in enumerate(last.tolist()):

@@ -194,8 +194,11 @@ class CachedLM:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                query_valid: torch.Tensor | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+                query_valid: torch.Tensor | None = None, new_mask: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         # ids: [batch, n]; positions: [batch, n] (default: lengths + 0..n-1)
+        # logits_at: [m] sequence indices whose logits are wanted (default: all n); prefill asks
+        # for the last prompt positions only, sparing a [batch, P, vocab] projection
         B, n = ids.shape
         if positions is None:
             positions = self.cache.lengths[:, None] + torch.arange(n, device=ids.device)
@@ -205,11 +208,14 @@ class CachedLM:
             new_mask = causal_mask(n, ids.device)
         self.cache.begin(n)
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
+        extra = {self._cache_kw: self.cache}
+        if logits_at is not None:
+            extra["logits_to_keep"] = logits_at
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0),
-                         use_cache=True, **{self._cache_kw: self.cache})
+                         use_cache=True, **extra)
         if self.capture is not None:
             self.aux = self.capture.concat()
-        return out.logits  # [batch, n, vocab]
+        return out.logits  # [batch, n or m, vocab]
 
     def commit(self, keep: torch.Tensor) -> None:
         self.cache.commit(keep)

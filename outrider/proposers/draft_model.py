@@ -37,7 +37,7 @@ class DraftModelProposer(Proposer):
             n = int(ctx.prompt_lens[b])
             ids[b, :n] = torch.tensor(h[:n], device=dev)
         valid = torch.arange(P, device=dev)[None, :] < ctx.prompt_lens.to(dev)[:, None]
-        self.lm.forward(ids, query_valid=valid)
+        self.lm.forward(ids, query_valid=valid, logits_at=torch.tensor([P - 1], device=dev))
         self.lm.commit(valid)
         self.pending = [[int(t)] for t in ctx.last.tolist()]
         self.k_last = 0
