@@ -1,0 +1,353 @@
+"""The EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840): config and module.
+
+Contract (DESIGN.md, "EAGLE-3 head and export contract"):
+- ``fc`` Linear(3*H_t -> H, no bias) fuses the three aux hidden states of the target
+  (``fuse``). Aux id ``j`` is the hidden state *entering* target decoder layer ``j``
+  (Hugging Face ``output_hidden_states[j]``).
+- ``midlayer`` is one Llama decoder layer whose attention reads
+  ``[input_layernorm(e); hidden_norm(h)]`` (width 2H: q/k/v take 2H inputs), where ``e`` is the
+  target's (frozen) embedding of the input token and ``h`` the hidden input; the residual runs
+  on ``h``. ``h`` is the fused target feature at the first draft step and the head's own
+  ``hidden_out`` afterwards; ``hidden_out = h + attn + mlp(...)`` is the pre-norm output.
+- ``norm`` then ``lm_head`` Linear(H -> draft_vocab, no bias) give the draft logits.
+  ``map_to_target`` turns draft ids into target ids with ``d2t`` (``target = i + d2t[i]``).
+- The state dict holds exactly ``fc.weight``, ``midlayer.{input_layernorm,hidden_norm,
+  post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+  ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` and the
+  buffers ``d2t`` (int64 [draft_vocab]) and ``t2d`` (bool [vocab]). The embedding is the
+  target's and is never part of it: callers embed the tokens (``bind_embedding`` keeps an
+  unregistered reference for convenience).
+- Attention is ``scaled_dot_product_attention``. With a ``cache`` (an
+  ``outrider.kv_cache.SlotCache`` with one layer, or anything with the same ``update``) the
+  head writes its new keys/values through ``cache.update(k, v, 0)`` and attends over what it
+  returns; the caller reserves slots (``cache.begin``), passes the mask
+  (``cache.attention_mask``) and commits (``cache.commit``).
+- Rotary embedding with the target's rope settings (``rope_theta`` and the scaling dict), the
+  Llama rotate-half convention; its frequencies stay float32 whatever dtype the head is cast to.
+
+Not done here: drafting loops and trees (``outrider.proposers``), training (``outrider.train``),
+checkpoint formats (``outrider.export``), dynamic-NTK or longrope switching at run time (the
+frequencies are computed once from the scaling dict).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from outrider.errors import UserError
+from outrider.models import arch_info
+
+AUX_IDS_SEMANTICS = "id j = hidden state entering target decoder layer j = HF output_hidden_states[j]"
+_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+
+
+@dataclass
+class Eagle3Config:
+    """Sizes of an EAGLE-3 head; ``for_target`` copies them from the target's config."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    rope_scaling: dict[str, Any] | None = None  # the target's, with "rope_type"; None = plain RoPE
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = tuple(int(j) for j in self.aux_layer_ids)
+        if len(self.aux_layer_ids) != 3:
+            raise UserError(f"an EAGLE-3 head fuses exactly 3 aux layers, got ids {list(self.aux_layer_ids)}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise UserError(f"draft vocabulary size {self.draft_vocab_size} must be in 1..{self.vocab_size} "
+                            "(the target's vocabulary)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def for_target(cls, target_config: Any, draft_vocab_size: int,
+                   aux_layer_ids: Sequence[int] | None = None) -> "Eagle3Config":
+        """A head sized like the target (a ``PretrainedConfig`` or a config.json dict).
+
+        Width, heads, MLP size, norm eps, rope and positions are the target's; for an MLA target
+        (DeepSeek-V3, Kimi) the head is plain multi-head attention with ``head_dim = H / heads``.
+        Aux ids default to ``(2, L//2, L-3)``.
+        """
+        cfg = target_config if isinstance(target_config, dict) else target_config.to_dict()
+        info = arch_info(cfg)
+        if aux_layer_ids is None:
+            aux_layer_ids = info.default_aux_layer_ids()
+        bad = [j for j in aux_layer_ids if not 0 <= int(j) < info.num_layers]
+        if bad:
+            raise UserError(f"aux layer ids {bad} out of range: the target has {info.num_layers} layers "
+                            f"(ids 0..{info.num_layers - 1})")
+        text = _text_config(cfg)
+        rope_theta, rope_scaling = _rope_from_config(text)
+        mla = info.attention == "MLA"
+        intermediate = info.intermediate_size or math.ceil(8 * info.hidden_size / 3 / 64) * 64  # SwiGLU 8H/3
+        return cls(
+            hidden_size=info.hidden_size,
+            num_attention_heads=info.num_heads,
+            num_key_value_heads=info.num_heads if mla else info.num_kv_heads,
+            head_dim=info.hidden_size // info.num_heads if mla else info.head_dim,
+            intermediate_size=intermediate,
+            rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=info.max_position_embeddings or 4096,
+            vocab_size=info.vocab_size,
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=info.hidden_size,
+            aux_layer_ids=tuple(int(j) for j in aux_layer_ids),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        d["aux_layer_ids_semantics"] = AUX_IDS_SEMANTICS
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        """Inverse of ``to_dict``; unknown keys are ignored, missing required ones are a ``UserError``."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        missing = [f.name for f in fields(cls) if f.name not in kwargs and _required(f)]
+        if missing:
+            raise UserError(f"EAGLE-3 head config lacks {', '.join(missing)}: not a config written by outrider")
+        semantics = d.get("aux_layer_ids_semantics")
+        if semantics is not None and semantics != AUX_IDS_SEMANTICS:
+            raise UserError(f"EAGLE-3 head config records aux ids as '{semantics}', "
+                            f"outrider expects '{AUX_IDS_SEMANTICS}'")
+        return cls(**kwargs)
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """The rope settings in ``transformers``' ``rope_parameters`` form."""
+        params = dict(self.rope_scaling or {"rope_type": "default"})
+        params["rope_theta"] = self.rope_theta
+        return params
+
+    def llama_config(self) -> LlamaConfig:
+        """A ``LlamaConfig`` with the head's sizes (for the rotary and MLP building blocks)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=self.rope_parameters(), tie_word_embeddings=False,
+        )
+
+
+def _required(f) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    for key in _TEXT_CONFIG_KEYS:
+        inner = cfg.get(key)
+        if isinstance(inner, dict) and inner.get("hidden_size"):
+            return inner
+    return cfg
+
+
+def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not scaling:
+        return None
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    if out["rope_type"] == "default" and len(out) == 1:
+        return None
+    if out["rope_type"] not in ROPE_INIT_FUNCTIONS and out["rope_type"] != "default":
+        raise UserError(f"rope type '{out['rope_type']}' is not supported by transformers' RoPE functions")
+    return out
+
+
+def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a raw config.json or a transformers>=5 dict."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), _normalise_rope_scaling(params)
+    return float(cfg.get("rope_theta") or 10000.0), _normalise_rope_scaling(cfg.get("rope_scaling"))
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions; ``inv_freq`` stays float32 when the module is cast."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        llama = config.llama_config()
+        rope_type = llama.rope_parameters["rope_type"]
+        init = (LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default"
+                else ROPE_INIT_FUNCTIONS[rope_type])
+        inv_freq, self.attention_scaling = init(llama)
+        self._inv_freq32 = inv_freq.float()
+        self.register_buffer("inv_freq", self._inv_freq32.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq32.to(self.inv_freq.device)  # undo any dtype cast
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids: [batch, n] -> cos, sin: [batch, n, head_dim]
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention over a 2H-wide input; SDPA; keys/values through an optional slot cache."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
+        # x: [batch, n, 2H]; cos/sin: [batch, n, head_dim]
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, n, d]
+        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, n, d]
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)  # [B, kv, S, d]: everything the cache hands back
+            if attention_mask is None:
+                attention_mask = cache.attention_mask(
+                    torch.ones(B, n, dtype=torch.bool, device=x.device),
+                    torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), q.dtype)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(q.dtype)
+        if self.num_kv_heads != self.num_heads:  # GQA by expansion: keeps the masked fused kernels usable
+            g = self.num_heads // self.num_kv_heads
+            k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
+            v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and cache is None)  # [B, heads, n, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single decoder layer: attention over [input_layernorm(e); hidden_norm(h)], residual on h."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.mlp = LlamaMLP(config.llama_config())
+
+    def forward(self, input_embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
+        # input_embeds, hidden: [batch, n, H] -> hidden_out [batch, n, H] (pre-norm)
+        x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden)], dim=-1)  # [B, n, 2H]
+        h = hidden + self.self_attn(x, cos, sin, attention_mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head: ``fuse`` the aux states, then ``forward`` one draft step over n tokens."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.rotary = Rotary(config)  # no persistent state
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [draft_vocab]
+        self.register_buffer("t2d", t2d)  # [vocab]
+        self._embedding: tuple[nn.Module, ...] = ()  # the target's, unregistered on purpose
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.initializer_range)
+            elif isinstance(module, LlamaRMSNorm):
+                nn.init.ones_(module.weight)
+
+    # --- vocabulary -----------------------------------------------------------------------
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary: d2t int64 [draft_vocab] offsets, t2d bool [vocab]."""
+        cfg = self.config
+        if tuple(d2t.shape) != (cfg.draft_vocab_size,) or tuple(t2d.shape) != (cfg.vocab_size,):
+            raise UserError(f"draft vocabulary of shape d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} does not fit "
+                            f"this head (draft {cfg.draft_vocab_size}, target {cfg.vocab_size})")
+        target_ids = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
+        if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d.bool()[target_ids.to(t2d.device)].all()):
+            raise UserError("d2t and t2d disagree: every draft id must map to a target id marked in t2d")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape) -> target ids: ``i + d2t[i]``."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- embedding (the target's, never part of the state dict) ---------------------------
+
+    def bind_embedding(self, embedding: nn.Module) -> None:
+        """Keep a reference to the target's frozen input embedding for ``embed``."""
+        self._embedding = (embedding,)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [batch, n] target ids -> [batch, n, H]
+        if not self._embedding:
+            raise RuntimeError("no embedding bound: call bind_embedding(target.get_input_embeddings()) first")
+        with torch.no_grad():
+            return self._embedding[0](input_ids)
+
+    # --- compute --------------------------------------------------------------------------
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        # aux: [batch, n, 3*H_t] (ids in config order) -> [batch, n, H]
+        return self.fc(aux)
+
+    def forward_hidden(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, cache: Any | None = None) -> torch.Tensor:
+        """One draft step without the logits: returns ``hidden_out`` [batch, n, H] (pre-norm)."""
+        # input_embeds, hidden: [batch, n, H]; position_ids: [batch, n]
+        # attention_mask: [batch, 1, n, S] additive float or bool (True = may attend); None = causal
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        return self.midlayer(input_embeds, hidden, cos, sin, attention_mask, cache)
+
+    def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        # hidden_out: [..., H] -> draft logits [..., draft_vocab]
+        return self.lm_head(self.norm(hidden_out))
+
+    def forward(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: Any | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step over n tokens -> (logits [batch, n, draft_vocab], hidden_out [batch, n, H])."""
+        hidden_out = self.forward_hidden(input_embeds, hidden, position_ids, attention_mask, cache)
+        return self.compute_logits(hidden_out), hidden_out
