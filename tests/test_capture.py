@@ -1,0 +1,60 @@
+"""Capture: aux states equal HF output_hidden_states[j]; the teacher equals the full logits on the draft ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.train.capture import TargetCapture, capture
+from tiny import make_tiny
+
+AUX = (0, 2, 4)  # 0 = the embeddings, 4 = the input of the last of 5 layers
+DRAFT_IDS = torch.tensor([3, 5, 8, 17, 40, 41, 77, 90, 95])
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def target(request):
+    return make_tiny(request.param, layers=5)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 96, (3, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0  # right padding
+    mask[2, :4] = 0  # left padding
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_aux_and_teacher_match_hf(target):
+    ids, mask = _batch()
+    lm_calls = []
+    handle = target.lm_head.register_forward_hook(lambda *a: lm_calls.append(1))
+    try:
+        got = capture(target, ids, mask, AUX, DRAFT_IDS)
+    finally:
+        handle.remove()
+    assert not lm_calls  # full-vocabulary logits were never computed
+    assert got.aux.shape == (3, 14, 3 * 64) and got.teacher.shape == (3, 14, len(DRAFT_IDS))
+    assert not got.aux.requires_grad and not got.teacher.requires_grad
+    for row in range(3):  # each row alone, unpadded: the reference for its real positions
+        real = mask[row].bool()
+        with torch.no_grad():
+            ref = target(input_ids=ids[row, real][None], output_hidden_states=True)
+        want_aux = torch.cat([ref.hidden_states[j] for j in AUX], dim=-1)[0]
+        torch.testing.assert_close(got.aux[row, real], want_aux, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.teacher[row, real], ref.logits[0][:, DRAFT_IDS], atol=1e-4, rtol=1e-5)
+
+
+def test_bound_capture_is_reusable_and_detaches(target):
+    ids, mask = _batch()
+    layers = target.model.layers
+    with TargetCapture(target, AUX, DRAFT_IDS) as cap:
+        assert cap.aux_layer_ids == AUX
+        first = cap(ids, mask)
+        second = cap(ids[:1], mask[:1])
+        torch.testing.assert_close(first.aux[:1], second.aux, atol=1e-5, rtol=1e-5)  # MoE: batch-size rounding
+        torch.testing.assert_close(first.teacher[:1], second.teacher, atol=1e-4, rtol=1e-5)
+        assert not cap.aux_capture.states  # no hidden states kept between calls
+    assert all(not layer._forward_pre_hooks for layer in layers)
