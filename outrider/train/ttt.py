@@ -1,0 +1,189 @@
+"""Training-time test (TTT): the EAGLE-3 loss, unrolling the head over its own outputs.
+
+Contract. Notation: a sequence ``x_0..x_{S-1}``; ``a_t`` the target's aux features at position
+``t`` (computed from ``x_0..x_t``); ``teacher[t]`` the target's logits at ``t`` restricted to the
+draft vocabulary, i.e. its prediction of ``x_{t+1}``; ``loss_mask[t] = 1`` iff ``x_t`` is a token
+to learn (``outrider.train.data``).
+
+- Step 0, at every position ``t`` at once: the head gets ``h = fc(a_t)`` and the token
+  ``x_{t+1}`` and predicts ``x_{t+2}``: it is trained against ``teacher[t+1]``. This is what it
+  does at inference: the target has just produced ``x_{t+1}`` from the features up to ``t``.
+- Step ``i > 0``: the hidden input is the head's own ``hidden_out`` of step ``i-1`` at the same
+  position, the token input is the real ``x_{t+1+i}`` (tokens follow the sequence, as in EAGLE-3's
+  TTT), the target is ``teacher[t+1+i]`` (the prediction of ``x_{t+2+i}``). The rotary position
+  of step ``i`` is ``pos_t + i``, where the draft token sits at inference.
+- Attention at step ``i``, position ``t``: the step-0 keys at real positions ``s <= t`` (the
+  real context, as the draft cache holds it) and the keys of steps ``1..i`` at the same
+  position ``t`` only (its own earlier drafts). Implemented by concatenating the per-step keys
+  and values ([step-0 | step-1 | ... | step-i], each ``S`` long) with one block mask
+  ``[batch, 1, S, (i+1)*S]``: a causal block over the real context and ``i`` diagonal blocks.
+- Loss: soft cross-entropy ``-sum_v p(v) log q(v)`` with ``p = softmax(teacher row)``, i.e. the
+  target distribution restricted to the draft vocabulary and renormalised, and ``q`` the head's
+  draft distribution. Position ``t`` counts at step ``i`` iff ``x_t`` is real and the predicted
+  token ``x_{t+2+i}`` exists and is loss-masked (so the teacher's last row, which predicts past
+  the sequence, is never a target). Step losses are means over their positions (or sums, with
+  ``reduction="sum"``, for callers that normalise across ranks), weighted ``decay**i``.
+  Head logits are computed only at counted positions; full-vocabulary logits never appear.
+- Metrics: ``per_step_acc[i]`` = fraction of counted positions where the head's argmax equals
+  the teacher's argmax over the draft vocabulary; ``sim_accept_len = 1 + sum_k prod_{j<=k}
+  acc_j``, the expected tokens per target forward of a chain of ``steps`` drafts **including the
+  bonus token** (comparable with bench's ``tau``). A step with no counted position has accuracy 0.
+
+``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
+wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
+
+Not done here: the target forward (``outrider.train.capture``), optimisation
+(``outrider.train.trainer``), tree-shaped unrolling. On GPU the dense block mask could be
+replaced by ``torch.nn.attention.flex_attention`` with a ``BlockMask`` whose ``mask_mod`` is
+``kv < S ? (kv <= q and real[kv]) : (kv % S == q)``, skipping the empty blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from outrider.head import Eagle3Head
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, differentiable w.r.t. the head's parameters
+    per_step_loss: torch.Tensor  # [steps] mean soft cross-entropy per step (detached)
+    per_step_acc: torch.Tensor  # [steps] argmax agreement with the teacher per step
+    sim_accept_len: torch.Tensor  # scalar: 1 + sum_k prod_{j<=k} acc_j (bonus token included)
+    n_tokens: int  # positions counted at step 0
+    per_step_tokens: torch.Tensor  # [steps] int64 positions counted per step
+    per_step_correct: torch.Tensor  # [steps] int64 argmax agreements per step
+
+
+class StepKV:
+    """Keys/values of the unrolled steps, concatenated along the sequence (autograd-friendly).
+
+    Offers the ``update(k, v, layer_idx)`` the head calls on a cache: it appends this step's
+    keys/values and returns all steps' so far, ``[batch, kv_heads, (i+1)*S, head_dim]``.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.append(k)
+        self.values.append(v)
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
+
+
+def ttt_block_mask(real: torch.Tensor, steps: int) -> torch.Tensor:
+    """Boolean mask ``[batch, 1, S, steps*S]`` (True = may attend) for the last step.
+
+    real: [batch, S] bool, False on padding. Step ``i`` uses the first ``(i+1)*S`` columns.
+    Block 0 is causal over real keys; blocks 1.. are diagonal. A query always sees its own
+    step-0 key, so no row is empty.
+    """
+    B, S = real.shape
+    eye = torch.eye(S, dtype=torch.bool, device=real.device)
+    context = (eye | (torch.ones_like(eye).tril() & real[:, None, :]))[:, None]  # [B, 1, S, S]
+    return torch.cat([context] + [eye.expand(B, 1, S, S)] * (steps - 1), dim=-1)
+
+
+def step_weights(steps: int, decay: float = 0.8) -> list[float]:
+    return [decay ** i for i in range(steps)]
+
+
+def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], aux: torch.Tensor,
+             input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
+             attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
+             weights: Sequence[float] | None = None, reduction: str = "mean") -> TTTOutput:
+    """The TTT loss and metrics of one batch (see the module docstring for the alignment).
+
+    head:           the EAGLE-3 head being trained
+    embed:          the target's frozen input embedding (module or function of ids)
+    aux:            [batch, S, 3*H_t] target aux features
+    input_ids:      [batch, S] target token ids
+    loss_mask:      [batch, S] 1 on tokens to learn
+    teacher:        [batch, S, draft_vocab] target logits on the draft vocabulary (any float dtype)
+    attention_mask: [batch, S] 1 on real tokens (None = all real)
+    weights:        per-step loss weights; default ``decay**i``
+    reduction:      "mean" (each step averaged over its positions) or "sum"
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    B, S = input_ids.shape
+    if aux.shape[:2] != (B, S) or teacher.shape != (B, S, head.config.draft_vocab_size):
+        raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
+                         f"teacher {tuple(teacher.shape)} (draft vocab {head.config.draft_vocab_size})")
+    w = list(weights) if weights is not None else step_weights(steps, decay)
+    if len(w) != steps:
+        raise ValueError(f"{len(w)} step weights for {steps} steps")
+    device = input_ids.device
+    real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+    learn = loss_mask.bool() & real  # [B, S]
+    positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
+
+    with torch.no_grad():
+        tokens = embed(input_ids)  # [B, S, H]
+    mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
+    kv = StepKV()
+    hidden = head.fuse(aux)  # [B, S, H]
+    total = hidden.new_zeros(())
+    losses, counts, correct = [], [], []
+    for i in range(steps):
+        shift = 1 + i
+        token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
+        token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
+        hidden = head.forward_hidden(token_in, hidden, positions + i, mask[..., : (i + 1) * S], kv)
+        counted = torch.zeros_like(learn)  # [B, S]: position t predicts x_{t+2+i}
+        if S > shift + 1:
+            counted[:, : S - shift - 1] = learn[:, shift + 1:] & real[:, : S - shift - 1]
+        b, t = counted.nonzero(as_tuple=True)
+        logq = F.log_softmax(head.compute_logits(hidden[b, t]).float(), dim=-1)  # [N, draft_vocab]
+        target = teacher[b, t + shift].float()  # [N, draft_vocab]
+        ce = -(F.softmax(target, dim=-1) * logq).sum(-1)  # [N]
+        n = ce.numel()
+        step_loss = ce.sum() / max(n, 1) if reduction == "mean" else ce.sum()
+        total = total + w[i] * step_loss
+        losses.append(ce.detach().sum() / max(n, 1))
+        counts.append(n)
+        correct.append(int((logq.detach().argmax(-1) == target.argmax(-1)).sum()))
+
+    per_step_tokens = torch.tensor(counts, dtype=torch.long)
+    per_step_correct = torch.tensor(correct, dtype=torch.long)
+    acc = per_step_correct.double() / per_step_tokens.clamp_min(1).double()
+    return TTTOutput(
+        loss=total,
+        per_step_loss=torch.stack(losses).float().cpu(),
+        per_step_acc=acc.float(),
+        sim_accept_len=simulated_accept_len(acc),
+        n_tokens=counts[0],
+        per_step_tokens=per_step_tokens,
+        per_step_correct=per_step_correct,
+    )
+
+
+class TTTModule(torch.nn.Module):
+    """``ttt_loss`` as one module forward, so that DDP/FSDP can wrap it (one forward per backward).
+
+    Holds the head as its only submodule (``.head``); the target's embedding is kept unregistered,
+    so the module's parameters and state dict are the head's alone.
+    """
+
+    def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], steps: int = 7,
+                 decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean"):
+        super().__init__()
+        self.head = head
+        self._embed = (embed,)
+        self.steps, self.decay, self.weights, self.reduction = steps, decay, weights, reduction
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> TTTOutput:
+        return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
+                        steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction)
+
+
+def simulated_accept_len(acc: torch.Tensor) -> torch.Tensor:
+    """``1 + sum_k prod_{j<=k} acc_j`` for per-step accuracies ``acc`` [steps] (bonus token included)."""
+    return (1.0 + torch.cumprod(acc.double(), dim=0).sum()).float()
