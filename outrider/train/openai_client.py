@@ -1,0 +1,135 @@
+"""A minimal client for OpenAI-compatible chat endpoints (vLLM, SGLang, llama.cpp, ...).
+
+Contract:
+- ``ChatClient(server, model)`` talks to ``{server}/v1/chat/completions`` (``server`` may or may
+  not end in ``/v1``) with the standard library only (``urllib``); it is safe to share between
+  threads (each call opens its own connection).
+- ``check()`` confirms the server answers at all and returns the model name to use (the given
+  one, or the first one ``/v1/models`` lists). A server that cannot be reached is a ``UserError``.
+- ``chat(messages, max_tokens)`` returns the assistant text of a greedy (temperature 0) reply.
+  Connection failures, timeouts, HTTP 408/429 and 5xx are retried with exponential backoff; when
+  the attempts are used up it raises ``UserError`` (the run is resumable, so the message says so).
+  Any other HTTP 4xx means the server refuses this particular request (a prompt longer than its
+  context, say) and raises ``ServerRejected``, which the caller handles per conversation.
+
+Not done here: streaming, sampling parameters other than greedy, authentication beyond an
+optional bearer token passed in explicitly, tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from outrider.errors import UserError
+
+_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class ServerRejected(Exception):
+    """The server answered this request with a non-retryable 4xx status."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+
+
+def _base_url(server: str) -> str:
+    url = server.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise UserError(f"--server must be an http(s) URL such as http://127.0.0.1:8000, got '{server}'")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class ChatClient:
+    """Greedy chat completions from one OpenAI-compatible server."""
+
+    def __init__(self, server: str, model: str | None = None, timeout: float = 300.0, retries: int = 5,
+                 backoff: float = 1.0, api_key: str | None = None):
+        self.base = _base_url(server)
+        self.model = model
+        self.timeout = float(timeout)
+        self.retries = max(1, int(retries))
+        self.backoff = float(backoff)
+        self.api_key = api_key
+
+    @property
+    def chat_url(self) -> str:
+        return self.base + "/v1/chat/completions"
+
+    def _request(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            payload = resp.read()
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError:
+            text = _short(payload.decode("utf-8", "replace"))
+            raise ServerRejected(200, f"the reply from {url} is not JSON: {text}") from None
+
+    def check(self) -> str:
+        """Probe the server; return the model name to request. ``UserError`` if it is unreachable."""
+        try:
+            listing = self._request(self.base + "/v1/models", None)
+        except urllib.error.HTTPError as e:  # it answers, just not /v1/models
+            listing = {}
+            e.close()
+        except ServerRejected:
+            listing = {}
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise UserError(f"cannot reach the server at {self.base}: {reason} (start it, or fix --server)") from None
+        entries = listing.get("data") if isinstance(listing, dict) else None
+        models = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
+        if self.model:
+            if models and self.model not in models:
+                raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': "
+                                "fix --model")
+            return self.model
+        if not models:
+            raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --model NAME")
+        self.model = str(models[0])
+        return self.model
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> str:
+        """The assistant reply to ``messages`` (greedy). Raises ``ServerRejected`` or ``UserError``."""
+        body = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
+                "temperature": 0.0, "stream": False}
+        last = ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                reply = self._request(self.chat_url, body)
+            except urllib.error.HTTPError as e:
+                detail = _short(e.read().decode("utf-8", "replace")) if e.fp is not None else str(e.reason)
+                e.close()
+                if e.code not in _RETRY_STATUS:
+                    raise ServerRejected(e.code, detail) from None
+                last = f"HTTP {e.code}: {detail}"
+                continue
+            except (urllib.error.URLError, OSError) as e:
+                last = str(getattr(e, "reason", e))
+                continue
+            try:
+                content = reply["choices"][0]["message"]["content"]
+            except (KeyError, IndexError, TypeError):
+                detail = _short(json.dumps(reply))
+                raise ServerRejected(200, f"no choices[0].message.content in the reply: {detail}") from None
+            return "" if content is None else str(content)
+        raise UserError(f"the server at {self.base} failed {self.retries} times (last: {last}); "
+                        "check it is running and rerun: finished conversations are kept and skipped")

@@ -1,0 +1,474 @@
+"""Training data: readers, template-derived loss masks, truncation, splits, Parquet, regeneration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenizer
+
+from outrider import assets
+from outrider.errors import UserError
+from outrider.train.data import (Dropped, build_dataset, cache_path_for, end_token_ids, hf_generate_fn, load_dataset,
+                                 normalise_record, read_manifest, tokenize_conversation)
+
+SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
+
+
+def two_turns():
+    return [{"role": "system", "content": SYS}, {"role": "user", "content": U1}, {"role": "assistant", "content": A1},
+            {"role": "user", "content": U2}, {"role": "assistant", "content": A2}]
+
+
+def sharegpt_record(conv_id, turns):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"id": conv_id, "conversations": [{"from": names[r], "value": c} for r, c in turns]}
+
+
+def openai_record(conv_id, turns):
+    return {"id": conv_id, "messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+def many_conversations(n, start=0):
+    """n conversations of 1-3 exchanges, deterministic, words only from the tiny vocabulary."""
+    rng = np.random.default_rng(start)
+    convs = []
+    for k in range(start, start + n):
+        turns = [("system", "w5")] if k % 3 == 0 else []
+        for _ in range(1 + k % 3):
+            turns.append(("user", " ".join(f"w{int(w)}" for w in rng.integers(5, 90, size=3))))
+            turns.append(("assistant", " ".join(f"w{int(w)}" for w in rng.integers(5, 90, size=1 + k % 4))))
+        convs.append((f"c{k}", turns))
+    return convs
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A config-and-tokenizer folder: enough for data without regeneration."""
+    d = tmp_path_factory.mktemp("target")
+    tiny_config().save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return str(save_tiny("llama", tmp_path_factory.mktemp("tiny_target")))
+
+
+def write_json(path: Path, records) -> str:
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def write_jsonl(path: Path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------ masks
+
+
+def test_exact_mask_two_turns_with_system(tok):
+    got = tokenize_conversation(tok, two_turns(), 100, end_token_ids(tok))
+    S, E, sysid, user, asst = 3, 2, 93, 94, 95  # <|im_start|>, <|im_end|>, role words
+    expect_ids = [S, sysid, 5, 6, E,  S, user, 7, E,  S, asst, 8, 9, E,  S, user, 10, 11, 12, E,  S, asst, 13, E]
+    expect_mask = [0, 0, 0, 0, 0,     0, 0, 0, 0,     0, 0, 1, 1, 1,     0, 0, 0, 0, 0, 0,         0, 0, 1, 1]
+    assert got.input_ids == expect_ids
+    assert got.loss_mask == expect_mask
+    assert not got.truncated
+    whole = tok.apply_chat_template(two_turns(), tokenize=True, return_dict=False)
+    assert got.input_ids == list(whole)  # the same ids the template itself produces
+
+
+def test_many_turns_mask_is_assistant_text_plus_end_token(tok):
+    convs = many_conversations(12)
+    for _, turns in convs:
+        messages = [{"role": r, "content": c} for r, c in turns]
+        got = tokenize_conversation(tok, messages, 1000, [tok.eos_token_id])
+        runs, run = [], []
+        for t, m in zip(got.input_ids, got.loss_mask):
+            if m:
+                run.append(t)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+        expected = [tok.encode(c, add_special_tokens=False) + [tok.eos_token_id] for r, c in turns if r == "assistant"]
+        assert runs == expected
+
+
+def test_bytelevel_bpe_excludes_the_newline_after_the_end_token():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Hello there, how are you today?", "I am fine, thank you.\nAnd you?",
+              "Sure! Here is some code:\n  x = 1"] * 5
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE  # ChatML: a newline follows every <|im_end|>
+    messages = [{"role": "user", "content": "Hello there, how are you today?"},
+                {"role": "assistant", "content": "I am fine, thank you.\nAnd you?"},
+                {"role": "user", "content": "Sure!"},
+                {"role": "assistant", "content": " Here is some code:\n  x = 1"}]
+    got = tokenize_conversation(fast, messages, 1000, [fast.eos_token_id])
+    assert got.input_ids == list(fast.apply_chat_template(messages, tokenize=True, return_dict=False))
+    masked = [t for t, m in zip(got.input_ids, got.loss_mask) if m]
+    assert fast.decode(masked) == "I am fine, thank you.\nAnd you?<|im_end|> Here is some code:\n  x = 1<|im_end|>"
+    assert got.loss_mask[-1] == 0 and fast.decode(got.input_ids[-1:]) == "\n"
+
+
+def test_tokenizer_without_offsets_whose_pieces_tokenise_differently():
+    """SentencePiece-style prefix space: a turn tokenised alone differs; boundaries come from prefixes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for w in ["hi", "there", "how", "are", "you", "fine", "thanks", "sys", "prompt"]:
+        vocab[w] = len(vocab)
+        vocab["\u2581" + w] = len(vocab)
+    sp = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    fast = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"])
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                          "{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "system", "content": "sys prompt"}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "how are you"}, {"role": "user", "content": "fine"},
+                {"role": "assistant", "content": "thanks"}]
+    alone = fast.encode("how are you</s>", add_special_tokens=False)
+    got = tokenize_conversation(fast, messages, 100, [fast.eos_token_id])
+    assert got.input_ids == list(fast.apply_chat_template(messages, tokenize=True, return_dict=False))
+    masked = [t for t, m in zip(got.input_ids, got.loss_mask) if m]
+    assert fast.convert_ids_to_tokens(masked) == ["how", "\u2581are", "\u2581you", "</s>", "thanks", "</s>"]
+    assert alone[0] != masked[0]  # the piece alone would have been wrong
+
+
+def test_templates_that_cannot_be_split_are_dropped():
+    unstable = tiny_tokenizer()
+    unstable.chat_template = CHAT_TEMPLATE.replace("{{ m['role'] }}\n{{ m['content'] }}",
+                                                   "{{ 'bot' if m['role'] == 'assistant' else m['role'] }}\n"
+                                                   "{{ m['content'] }}")
+    with pytest.raises(Dropped) as e:
+        tokenize_conversation(unstable, two_turns(), 100, [2])
+    assert e.value.reason == "template_not_prefix_stable"
+    glued = tiny_tokenizer()  # the generation prompt ends inside the word the reply starts with
+    glued.chat_template = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ 'w1' if m['role'] == 'assistant' }}"
+                                                "{{ m['content'] }}").replace("assistant\n{% endif %}",
+                                                                              "assistant\nw1{% endif %}")
+    messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "5 w6"}]
+    with pytest.raises(Dropped) as e:
+        tokenize_conversation(glued, messages, 100, [2])
+    assert e.value.reason == "tokenization_mismatch"
+
+
+def test_template_that_renders_the_final_reply_differently_learns_the_last_turn(tok):
+    """Like Qwen3's empty thinking block: only the final reply carries the marker (here the word w90)."""
+    final_marked = tiny_tokenizer()
+    final_marked.chat_template = CHAT_TEMPLATE.replace(
+        "{{ m['content'] }}", "{% if m['role'] == 'assistant' and loop.last %}w90 {% endif %}{{ m['content'] }}")
+    got = tokenize_conversation(final_marked, two_turns(), 100, [2])
+    assert got.last_turn_only and not got.truncated
+    assert got.input_ids == list(final_marked.apply_chat_template(two_turns(), tokenize=True, return_dict=False))
+    assert [t for t, m in zip(got.input_ids, got.loss_mask) if m] == [90, 13, 2]  # "w90 w13 <|im_end|>"
+    assert got.input_ids[got.loss_mask.index(1) - 2:got.loss_mask.index(1)] == [3, 95]
+    early = tokenize_conversation(final_marked, two_turns(), 16, [2])  # the second reply does not fit
+    assert early.last_turn_only and early.truncated
+    assert [t for t, m in zip(early.input_ids, early.loss_mask) if m] == [90, 8, 9, 2]
+
+
+def test_truncation_and_nothing_to_learn(tok):
+    full = tokenize_conversation(tok, two_turns(), 100, [2])
+    cut = tokenize_conversation(tok, two_turns(), 12, [2])
+    assert cut.truncated and cut.input_ids == full.input_ids[:12] and cut.loss_mask == full.loss_mask[:12]
+    assert cut.loss_mask == [0] * 11 + [1]
+    exact = tokenize_conversation(tok, two_turns(), len(full.input_ids), [2])
+    assert not exact.truncated and exact.input_ids == full.input_ids
+    with pytest.raises(Dropped) as e:  # the first reply starts at token 11: nothing of it fits in 11
+        tokenize_conversation(tok, two_turns(), 11, [2])
+    assert e.value.reason == "nothing_to_learn"
+
+
+def test_normalise_both_schemas_and_roles():
+    turns = [("system", "w5"), ("user", "w6"), ("assistant", "w7")]
+    want = [{"role": r, "content": c} for r, c in turns]
+    assert normalise_record(sharegpt_record("a", turns)) == want
+    assert normalise_record(openai_record("a", turns)) == want
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "w6"}]},
+                          {"role": "assistant", "content": "w7"}]}
+    assert normalise_record(parts)[0] == {"role": "user", "content": "w6"}
+    lead = sharegpt_record("b", [("assistant", "w9"), ("user", "w6"), ("assistant", "w7")])
+    assert [m["role"] for m in normalise_record(lead)] == ["user", "assistant"]  # a reply to nothing goes
+    for bad, reason in [({"conversations": [{"from": "tool", "value": "x"}]}, "unknown_role"),
+                        ({"conversations": [{"from": "human", "value": "w6"}]}, "no_assistant_turn"),
+                        ({"text": "w6"}, "unrecognised_record")]:
+        with pytest.raises(Dropped) as e:
+            normalise_record(bad)
+        assert e.value.reason == reason
+
+
+# ------------------------------------------------------------------------------------ datasets on disk
+
+
+@pytest.mark.parametrize("fmt", ["json-sharegpt", "jsonl-sharegpt", "json-openai", "jsonl-openai"])
+def test_build_roundtrip_all_formats(tmp_path, target, tok, fmt):
+    convs = many_conversations(30)
+    container, schema = fmt.split("-")
+    make = sharegpt_record if schema == "sharegpt" else openai_record
+    records = [make(cid, turns) for cid, turns in convs]
+    records.insert(5, make("lonely", [("user", "w6")]))  # no assistant turn: skipped, counted
+    src = (write_json if container == "json" else write_jsonl)(tmp_path / f"data.{container}", records)
+    report = build_dataset(target, src, str(tmp_path / "out"), max_length=24, eval_fraction=0.2, seed=3,
+                           progress=False, shard_rows=7)
+    assert report.dropped.get("no_assistant_turn") == 1 and report.scanned == 31
+    assert report.kept + sum(v for k, v in report.dropped.items() if k != "no_assistant_turn") == 30
+    assert report.train + report.eval == report.kept and report.eval == round(0.2 * report.kept)
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest["max_length"] == 24 and manifest["seed"] == 3
+    assert manifest["tokenizer"]["vocab_size"] == len(tok)
+    assert manifest["counts"]["dropped"] == report.dropped
+    assert len(manifest["splits"]["train"]["shards"]) == -(-report.train // 7)
+    by_id = {cid: [{"role": r, "content": c} for r, c in turns] for cid, turns in convs}
+    total = loss = 0
+    for split in ("train", "eval"):
+        ds = load_dataset(tmp_path / "out", split)
+        assert len(ds) == manifest["splits"][split]["examples"]
+        assert ds.num_tokens == manifest["splits"][split]["tokens"]
+        for i in range(len(ds)):
+            ids, mask = ds[i]
+            want = tokenize_conversation(tok, by_id[ds.conv_ids[i]], 24, [2])
+            assert ids.tolist() == want.input_ids and mask.tolist() == want.loss_mask
+            assert len(ids) <= 24 and mask.sum() > 0
+        total += ds.num_tokens
+        loss += ds.num_loss_tokens
+    assert (total, loss) == (report.tokens, report.loss_tokens)
+    assert report.truncated > 0  # max_length 24 cuts the long ones
+
+
+def test_split_is_a_function_of_the_seed(tmp_path, target):
+    src = write_jsonl(tmp_path / "d.jsonl", [openai_record(c, t) for c, t in many_conversations(40)])
+
+    def eval_ids(seed, name):
+        build_dataset(target, src, str(tmp_path / name), eval_fraction=0.25, seed=seed, progress=False)
+        return load_dataset(tmp_path / name, "eval").conv_ids, load_dataset(tmp_path / name, "train").conv_ids
+
+    a, a_train = eval_ids(0, "a")
+    b, _ = eval_ids(0, "b")
+    c, _ = eval_ids(1, "c")
+    assert a == b and a != c and len(a) == len(c) == 10
+    assert not set(a) & set(a_train) and len(set(a) | set(a_train)) == 40
+
+
+def test_batches_are_padded_deterministic_and_shard_by_rank(tmp_path, target):
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(23)])
+    build_dataset(target, src, str(tmp_path / "out"), eval_fraction=0.0, progress=False)
+    ds = load_dataset(tmp_path / "out")
+    assert len(ds) == 23
+    one = list(ds.batches(8, seed=5, epoch=1))
+    again = list(ds.batches(8, seed=5, epoch=1))
+    other = list(ds.batches(8, seed=5, epoch=2))
+    assert len(one) == 2  # drop_last
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(one, again))
+    assert not torch.equal(one[0].indices, other[0].indices)
+    for b in one:
+        for row, i in enumerate(b.indices.tolist()):
+            ids, mask = ds[i]
+            n = len(ids)
+            assert b.attention_mask[row].sum() == n and b.attention_mask[row, :n].all()
+            assert torch.equal(b.input_ids[row, :n], ids) and (b.input_ids[row, n:] == ds.pad_token_id).all()
+            assert torch.equal(b.loss_mask[row, :n], mask) and not b.loss_mask[row, n:].any()
+    ranks = [list(ds.batches(4, seed=5, epoch=1, rank=r, world_size=2)) for r in range(2)]
+    for step, b in enumerate(one):
+        union = sorted(ranks[0][step].indices.tolist() + ranks[1][step].indices.tolist())
+        assert union == sorted(b.indices.tolist())
+    resumed = list(ds.batches(8, seed=5, epoch=1, start=1))
+    assert len(resumed) == 1 and torch.equal(resumed[0].input_ids, one[1].input_ids)
+    tail = list(ds.batches(8, seed=5, epoch=1, drop_last=False))
+    assert len(tail) == 3 and len(tail[2].indices) == 7
+    assert ds.collate([0, 1], pad_to_multiple_of=16).input_ids.shape[1] % 16 == 0
+
+
+def test_heldout_conversations_never_reach_training_data(tmp_path, monkeypatch, target):
+    monkeypatch.setenv("OUTRIDER_HOME", str(tmp_path / "home"))
+    convs = many_conversations(300)
+    path = assets.sharegpt_path()
+    path.parent.mkdir(parents=True)
+    write_json(path, [sharegpt_record(c, t) for c, t in convs])
+    held = {c for c, _ in convs if assets.heldout(c)}
+    assert 0 < len(held) < 30
+    report = build_dataset(target, "sharegpt", str(tmp_path / "out"), eval_fraction=0.1, progress=False)
+    assert report.heldout_excluded == len(held) and report.scanned == 300 - len(held)
+    seen = set(load_dataset(tmp_path / "out", "train").conv_ids) | set(load_dataset(tmp_path / "out", "eval").conv_ids)
+    assert seen and not seen & held
+    limited = build_dataset(target, "sharegpt", str(tmp_path / "out2"), max_conversations=50, progress=False)
+    assert limited.scanned == 50 and limited.kept == 50
+
+
+def test_rebuild_replaces_the_output_atomically(tmp_path, target):
+    src = write_jsonl(tmp_path / "d.jsonl", [openai_record(c, t) for c, t in many_conversations(10)])
+    out = tmp_path / "out"
+    build_dataset(target, src, str(out), max_conversations=4, eval_fraction=0.0, progress=False)
+    build_dataset(target, src, str(out), max_conversations=6, eval_fraction=0.0, progress=False)
+    assert len(load_dataset(out)) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]  # no temporary left over
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_inputs_are_one_line_user_errors(tmp_path, target, tok):
+    out = str(tmp_path / "out")
+
+    def fails(dataset, match, tgt=target):
+        with pytest.raises(UserError, match=match) as e:
+            build_dataset(tgt, dataset, out, progress=False)
+        assert "\n" not in str(e.value)
+
+    (tmp_path / "empty.jsonl").write_text("")
+    fails(str(tmp_path / "empty.jsonl"), "is empty")
+    fails(write_json(tmp_path / "list.json", []), "holds no conversations")
+    (tmp_path / "prose.txt").write_text("these are not conversations\nat all\n")
+    fails(str(tmp_path / "prose.txt"), "neither JSON nor JSONL")
+    (tmp_path / "cut.json").write_text(json.dumps([sharegpt_record("a", [("user", "w5"), ("assistant", "w6")])])[:-9])
+    fails(str(tmp_path / "cut.json"), "not valid JSON")
+    fails(write_jsonl(tmp_path / "other.jsonl", [{"text": "w5"}]), "no ShareGPT .* or OpenAI")
+    no_reply = [sharegpt_record(f"q{k}", [("system", "w5"), ("user", "w6")]) for k in range(3)]
+    fails(write_json(tmp_path / "noreply.json", no_reply), "no conversation .* has an assistant turn")
+    fails(str(tmp_path / "missing.json"), "dataset not found")
+    good = write_json(tmp_path / "good.json", [sharegpt_record("a", [("user", "w5"), ("assistant", "w6")])])
+    bare = tmp_path / "bare"
+    tiny_config().save_pretrained(bare)
+    plain = tiny_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(bare)
+    fails(good, "has no chat template", tgt=str(bare))
+    with pytest.raises(UserError, match="--regenerate"):
+        build_dataset(target, good, out, server="http://127.0.0.1:9", progress=False)
+    with pytest.raises(UserError, match="max-length"):
+        build_dataset(target, good, out, max_length=2, progress=False)
+    assert not (tmp_path / "out").exists()  # nothing was written by any failure
+
+
+# ------------------------------------------------------------------------------------ regeneration, local
+
+
+def test_regenerate_turn_by_turn_with_a_generate_fn(tmp_path, target, tok):
+    """Each reply is a function of the full prompt so far, so turn 2 sees turn 1's new reply."""
+    calls = []
+
+    def generate_fn(prompts, max_new_tokens):
+        calls.append(len(prompts))
+        return [[5 + (sum(p) % 80), 5 + (len(p) % 80), 2, 7, 7] for p in prompts]  # stops at the end id
+
+    convs = many_conversations(9)
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in convs])
+    report = build_dataset(target, src, str(tmp_path / "out"), regenerate=True, generate_fn=generate_fn,
+                           eval_fraction=0.0, progress=False)
+    assert report.regenerated == 9 and report.from_cache == 0
+    assert calls == [9, 6, 3]  # round r serves every conversation with an r-th reply, batched
+    ds = load_dataset(tmp_path / "out")
+    for i, cid in enumerate(ds.conv_ids):
+        msgs = [{"role": r, "content": c} for r, c in dict(convs)[cid]]
+        for k, m in enumerate(msgs):  # replay the expected replies independently
+            if m["role"] == "assistant":
+                prompt = tok.apply_chat_template(msgs[:k], add_generation_prompt=True, tokenize=True, return_dict=False)
+                m["content"] = tok.decode([5 + (sum(prompt) % 80), 5 + (len(prompt) % 80)])
+        want = tokenize_conversation(tok, msgs, 2048, [2])
+        assert ds[i][0].tolist() == want.input_ids and ds[i][1].tolist() == want.loss_mask
+    cache = cache_path_for(tmp_path / "out")
+    assert len(cache.read_text().splitlines()) == 9
+    again = build_dataset(target, src, str(tmp_path / "out"), regenerate=True, generate_fn=generate_fn,
+                          eval_fraction=0.0, progress=False)
+    assert again.from_cache == 9 and calls == [9, 6, 3]  # nothing generated the second time
+    assert load_dataset(tmp_path / "out").conv_ids == ds.conv_ids
+
+
+def test_regenerate_locally_with_the_default_hf_backend(tmp_path, tiny_target, tok):
+    convs = many_conversations(4)
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in convs])
+    report = build_dataset(tiny_target, src, str(tmp_path / "out"), regenerate=True, max_new_tokens=6,
+                           eval_fraction=0.0, progress=False)
+    assert report.regenerated == 4
+    model = make_tiny("llama", 0)
+    ds = load_dataset(tmp_path / "out")
+    cid = ds.conv_ids[0]
+    msgs = [{"role": r, "content": c} for r, c in dict(convs)[cid]]
+    k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    prompt = tok.apply_chat_template(msgs[:k], add_generation_prompt=True, tokenize=True, return_dict=False)
+    gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=2)
+    new = gen[0, len(prompt):].tolist()
+    new = new[: new.index(2)] if 2 in new else new
+    reply = tok.encode(tok.decode(new, skip_special_tokens=True), add_special_tokens=False)
+    ids, mask = ds[0]
+    start = len(prompt)
+    assert ids[:start].tolist() == prompt and mask[:start].sum() == 0
+    assert ids[start: start + len(reply)].tolist() == reply and mask[start: start + len(reply)].all()
+    assert ids[start + len(reply)] == 2 and mask[start + len(reply)] == 1
+
+
+def test_hf_generate_fn_batches_match_single_prompts():
+    model = make_tiny("llama", 1)
+    fn = hf_generate_fn(model, pad_token_id=0, end_ids=[2], batch_size=3)
+    prompts = [[3, 94, 7, 8, 2, 3, 95], [3, 94, 9, 2, 3, 95], [3, 94, 10, 11, 12, 13, 2, 3, 95], [3, 94, 14, 2, 3, 95]]
+    batched = fn(prompts, 5)
+    single = [hf_generate_fn(model, 0, [2], batch_size=1)([p], 5)[0] for p in prompts]
+    assert batched == single and all(1 <= len(x) <= 5 for x in batched)
+
+
+# ------------------------------------------------------------------------------------ the real default
+
+
+@pytest.mark.slow
+def test_sharegpt_with_the_real_smollm2_tokenizer(tmp_path):
+    if not (assets.default_model_dir() / "config.json").exists() or not assets.sharegpt_path().exists():
+        pytest.skip("default model or ShareGPT not pulled (run `outrider pull`)")
+    from outrider.models import load_tokenizer
+
+    report = build_dataset("default", "sharegpt", str(tmp_path / "out"), max_conversations=20, max_length=1024,
+                           eval_fraction=0.1, progress=False)
+    assert report.kept >= 15 and report.heldout_excluded >= 0
+    tok = load_tokenizer("default")
+    records = {r["id"]: r for r in assets.load_sharegpt().conversations[:400]}
+    checked = 0
+    for split in ("train", "eval"):
+        ds = load_dataset(tmp_path / "out", split)
+        for i, cid in enumerate(ds.conv_ids):
+            ids, mask = (x.tolist() for x in ds[i])
+            replies = [m["content"] + tok.eos_token for m in normalise_record(records[cid]) if m["role"] == "assistant"]
+            runs, run = [], []
+            for t, m in zip(ids, mask):
+                if m:
+                    run.append(t)
+                elif run:
+                    runs.append(run)
+                    run = []
+            cut = bool(run) and len(ids) == 1024
+            if run:
+                runs.append(run)
+            assert 1 <= len(runs) <= len(replies)
+            for k, r in enumerate(runs):
+                text = tok.decode(r)
+                if cut and k == len(runs) - 1:
+                    assert replies[k].startswith(text.rstrip("\ufffd"))
+                else:
+                    assert text == replies[k]
+            checked += 1
+    assert checked == report.kept
