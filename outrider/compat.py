@@ -1,0 +1,570 @@
+"""``outrider inspect``: can this target (and this draft) be served speculatively, and how?
+
+Contract:
+- ``inspect(target, draft=None) -> InspectReport``: a list of checks, each ``pass``/``warn``/``fail``
+  with a one-line reason, and a verdict. With a draft: tokenizer identity, vocabulary, hidden
+  size, aux layer ids under each engine's reading, draft vocabulary and ``d2t``, the draft and
+  target architectures vLLM and SGLang accept, MLA/MoE, max positions, dtype and quantisation,
+  and whether the head was trained for this target. Without one: which speculative methods the
+  target can use (MTP layers, EAGLE-3 support, n-gram, draft model) and a recommendation.
+- Works on config-only folders (config.json and tokenizer files, no weights); checks that need
+  weights say so. Kimi's ``kimi_k25`` wrapper is read through its ``text_config``; its tiktoken
+  tokenizer (``tiktoken.model``, no ``tokenizer.json``) is fingerprinted when ``tiktoken`` is
+  installed, otherwise tokenizer identity is a warning.
+- Exit codes for the CLI (``InspectReport.exit_code``): 0 when the pair can be served by at least
+  one engine (or, without a draft, when some method is available), 1 when not. Bad input raises
+  ``UserError`` (exit 2): a missing or unreadable config or weights file, aux ids beyond the
+  target's layers, a draft vocabulary larger than the target's.
+
+Not done here: downloading anything, loading model weights (only the head's small tensors
+``d2t``/``t2d`` are read, and tensor shapes from safetensors headers), measuring acceptance
+(``outrider bench`` does). Engine facts are those of vLLM and SGLang as of mid-2026 and are
+cited where they are used; a newer engine may accept more.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from outrider.errors import UserError
+from outrider.export import DRAFT_ARCH, SPECULATORS_ARCH, HeadSpec, expected_shapes, read_head_spec
+from outrider.models import ArchInfo, arch_info, load_config_dict, resolve
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+# Target model types whose EAGLE-3 aux capture each engine implements. vLLM: the
+# ``eagle3_target_supported`` list in ``vllm/config/speculative.py`` (llama, qwen, minicpm, gpt_oss,
+# hunyuan, afmoe); DeepSeek-V3 and Kimi-K2.x joined in 2026 releases (vLLM PRs 31257/32079; the
+# published Kimi-K2.6 EAGLE-3 drafts are served with vLLM 0.20). SGLang: ``set_eagle3_layers_to_capture``
+# in its llama, qwen2/3(-MoE) and deepseek_v2 models (DeepSeek-like since SGLang PR 12319).
+_VLLM_EAGLE3 = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan", "afmoe")
+_VLLM_EAGLE3_RECENT = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25")
+_SGLANG_EAGLE3 = ("llama", "qwen", "deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25", "gpt_oss")
+_VLLM_DRAFT_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", SPECULATORS_ARCH)
+_SGLANG_DRAFT_ARCHS = (DRAFT_ARCH,)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass" | "warn" | "fail"
+    reason: str
+    engine: str | None = None  # None: both engines; "vllm" | "sglang": only that one
+
+
+@dataclass
+class InspectReport:
+    target: str
+    draft: str | None
+    checks: list[Check]
+    servable: bool
+    verdict: str
+    engines: dict[str, bool] = field(default_factory=dict)  # with a draft: which engine can serve it
+    recommendation: str | None = None
+    target_info: dict[str, Any] = field(default_factory=dict)
+    draft_info: dict[str, Any] | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.servable else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["exit_code"] = self.exit_code
+        return d
+
+
+def to_json(report: InspectReport) -> str:
+    return json.dumps(report.to_dict(), indent=2)
+
+
+def render(report: InspectReport, console) -> None:
+    """Print the checks as a table, then the verdict (``console`` is a ``rich.console.Console``)."""
+    from rich.table import Table
+
+    title = f"outrider inspect: {report.target}" + (f"  +  draft {report.draft}" if report.draft else "")
+    table = Table(title=title, show_lines=False)
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("reason", overflow="fold")
+    style = {PASS: "green", WARN: "yellow", FAIL: "red"}
+    for c in report.checks:
+        name = c.name + (f" [{c.engine}]" if c.engine else "")
+        table.add_row(name, f"[{style[c.status]}]{c.status}[/]", c.reason)
+    console.print(table)
+    console.print(f"[bold {'green' if report.servable else 'red'}]{report.verdict}[/]")
+    if report.recommendation:
+        console.print(f"recommendation: {report.recommendation}")
+
+
+# --------------------------------------------------------------------------------------------
+# Names and tokenizer fingerprints
+# --------------------------------------------------------------------------------------------
+
+def target_name(path: Path, cfg: dict[str, Any]) -> str:
+    """A model's name: its config's hub id when it records one, else the folder (or file) name."""
+    name = str(cfg.get("_name_or_path") or cfg.get("name_or_path") or "")
+    if name and not Path(name).is_absolute() and not Path(name).exists() and "/" in name:
+        return name
+    return path.stem if path.is_file() else path.name
+
+
+def _same_model(a: str, b: str) -> bool:
+    return a.rstrip("/").rsplit("/", 1)[-1].lower() == b.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return data
+
+
+def tokenizer_fingerprint(folder: str | Path) -> dict[str, Any]:
+    """Hashes that identify a tokenizer: ``vocab_sha256`` (id<->token table, and BPE merges),
+    ``specials_sha256`` (special tokens), ``chat_template_sha256``; plus ``kind``, ``vocab_size``
+    and, when the vocabulary cannot be read, a ``note`` saying why. Reads files only."""
+    folder = Path(folder)
+    out: dict[str, Any] = {"kind": None}
+    tc = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+    specials: dict[str, Any] = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                                if _token_text(tc.get(k))}
+    added = {str(i): _token_text(v) for i, v in (tc.get("added_tokens_decoder") or {}).items()
+             if isinstance(v, dict) and v.get("special")}
+    if (folder / "tokenizer.json").exists():
+        tok = _read_json(folder / "tokenizer.json")
+        model = tok.get("model") or {}
+        vocab = model.get("vocab")
+        if isinstance(vocab, dict):
+            table = sorted((int(i), t) for t, i in vocab.items())
+        elif isinstance(vocab, list):  # Unigram: [[token, score], ...], id = position
+            table = [(i, entry[0] if isinstance(entry, list) else entry) for i, entry in enumerate(vocab)]
+        else:
+            table = []
+        extra = [(int(t["id"]), t["content"]) for t in tok.get("added_tokens") or [] if "id" in t]
+        added.update({str(t["id"]): t["content"] for t in tok.get("added_tokens") or [] if t.get("special")})
+        table = sorted(set(table) | set(extra))
+        out.update(kind="tokenizer.json", vocab_size=len({i for i, _ in table}),
+                   vocab_sha256=_sha([table, model.get("merges") or []]))
+    elif (folder / "tiktoken.model").exists():
+        out["kind"] = "tiktoken"
+        try:
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            out["note"] = "tiktoken is not installed (pip install tiktoken): the tiktoken vocabulary was not read"
+        else:
+            try:
+                ranks = load_tiktoken_bpe(str(folder / "tiktoken.model"))
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {folder / 'tiktoken.model'}: {e}") from None
+            table = sorted((rank, base64.b64encode(token).decode()) for token, rank in ranks.items())
+            extra = sorted((int(i), t) for i, t in added.items())
+            out.update(vocab_size=len(table) + len(extra), vocab_sha256=_sha([table, extra]))
+    else:
+        files = [n for n in ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt") if (folder / n).exists()]
+        if files:
+            digest = hashlib.sha256()
+            for n in files:
+                digest.update((folder / n).read_bytes())
+            out.update(kind="+".join(files), vocab_sha256=digest.hexdigest())
+        else:
+            out["note"] = "no tokenizer files"
+    if added:
+        specials["added"] = dict(sorted(added.items(), key=lambda kv: int(kv[0])))
+    if specials:
+        out["special_tokens"] = specials
+        out["specials_sha256"] = _sha(specials)
+    template = tc.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    if template is None and (folder / "chat_template.json").exists():
+        template = _read_json(folder / "chat_template.json").get("chat_template")
+    if template is not None:
+        out["chat_template_sha256"] = _sha(template)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+def _model_types(cfg: dict[str, Any], info: ArchInfo) -> tuple[str, ...]:
+    return tuple(t for t in (str(cfg.get("model_type") or ""), info.model_type) if t)
+
+
+def _engine_support(types: tuple[str, ...]) -> list[Check]:
+    checks = []
+    if any(s in t for t in types for s in _VLLM_EAGLE3):
+        checks.append(Check("target EAGLE-3 support", PASS, f"vLLM captures aux states for model_type {types[-1]}",
+                            "vllm"))
+    elif any(t in _VLLM_EAGLE3_RECENT for t in types):
+        checks.append(Check("target EAGLE-3 support", WARN, f"model_type {types[-1]}: needs a 2026 vLLM release "
+                            "(older ones reject it in eagle3_target_supported)", "vllm"))
+    else:
+        checks.append(Check("target EAGLE-3 support", WARN, f"model_type {'/'.join(types)} is not known to capture "
+                            "EAGLE-3 aux states in vLLM", "vllm"))
+    if any(s in t for t in types for s in _SGLANG_EAGLE3):
+        checks.append(Check("target EAGLE-3 support", PASS, f"SGLang captures aux states for model_type {types[-1]}",
+                            "sglang"))
+    else:
+        checks.append(Check("target EAGLE-3 support", WARN, f"model_type {'/'.join(types)} is not known to capture "
+                            "EAGLE-3 aux states in SGLang", "sglang"))
+    return checks
+
+
+def _attention_checks(info: ArchInfo) -> list[Check]:
+    checks = []
+    if info.attention == "MLA":
+        checks.append(Check("attention", WARN, f"MLA target (kv_lora_rank {info.kv_lora_rank}): the EAGLE-3 draft is "
+                            "a GQA Llama layer; give it its own attention backend, e.g. "
+                            "\"attention_backend\": \"FLASH_ATTN\" in --speculative-config (vLLM PR 39930)", "vllm"))
+    else:
+        checks.append(Check("attention", PASS,
+                            f"{info.attention}, {info.num_heads} heads, {info.num_kv_heads} kv heads"))
+    if info.is_moe:
+        checks.append(Check("MoE", PASS, f"{info.num_experts} routed experts, {info.experts_per_token} per token, "
+                            f"{info.num_moe_layers} MoE layers: every verified token wakes more experts, so draft "
+                            f"chains (top-k 1) of few tokens"))
+    else:
+        checks.append(Check("MoE", PASS, "dense model"))
+    return checks
+
+
+def _tokenizer_checks(target_fp: dict[str, Any], draft_fp: dict[str, Any] | None, source: str) -> list[Check]:
+    if target_fp.get("note") and not target_fp.get("vocab_sha256"):
+        return [Check("tokenizer", WARN, f"target tokenizer ({target_fp.get('kind') or 'none'}): {target_fp['note']}; "
+                      "identity not checked, vocabulary sizes compared below")]
+    if not draft_fp or not draft_fp.get("vocab_sha256"):
+        return [Check("tokenizer", WARN, "the draft carries no tokenizer and no tokenizer fingerprint: identity not "
+                      "checked, vocabulary sizes compared below")]
+    checks = []
+    if draft_fp["vocab_sha256"] == target_fp["vocab_sha256"]:
+        checks.append(Check("tokenizer", PASS, f"same vocabulary ({target_fp.get('kind')}, sha256 "
+                            f"{target_fp['vocab_sha256'][:12]}; draft side from {source})"))
+    else:
+        checks.append(Check("tokenizer", FAIL, f"vocabularies differ (target {target_fp['vocab_sha256'][:12]}, "
+                            f"draft {draft_fp['vocab_sha256'][:12]} from {source}): the draft predicts another "
+                            f"tokenizer's ids"))
+    if draft_fp.get("specials_sha256") and target_fp.get("specials_sha256"):
+        same = draft_fp["specials_sha256"] == target_fp["specials_sha256"]
+        checks.append(Check("special tokens", PASS if same else WARN, "same special tokens" if same else
+                            "special tokens differ: turn boundaries may be drafted badly"))
+    if draft_fp.get("chat_template_sha256") and target_fp.get("chat_template_sha256"):
+        same = draft_fp["chat_template_sha256"] == target_fp["chat_template_sha256"]
+        checks.append(Check("chat template", PASS if same else WARN, "same chat template" if same else
+                            "chat templates differ: the draft was trained on conversations rendered another way, "
+                            "acceptance may drop"))
+    return checks
+
+
+def _read_small_tensors(path: Path, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """(the named tensors, all tensor shapes) of a head folder, reading only what is needed."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    files: list[Path]
+    if (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    elif (path / "model.safetensors.index.json").exists():
+        weight_map = _read_json(path / "model.safetensors.index.json").get("weight_map") or {}
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif (path / "pytorch_model.bin").exists():
+        try:
+            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError) as e:
+            raise UserError(f"cannot read {path / 'pytorch_model.bin'}: {str(e).splitlines()[0]}") from None
+        return {k: state[k] for k in names if k in state}, {k: tuple(v.shape) for k, v in state.items()}
+    else:
+        return {}, {}
+    tensors: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as handle:
+                for k in handle.keys():
+                    shapes[k] = tuple(handle.get_slice(k).get_shape())
+                    if k in names:
+                        tensors[k] = handle.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {f}: {e} (the file is corrupt or truncated)") from None
+    return tensors, shapes
+
+
+def _weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
+    import torch
+
+    tensors, shapes = _read_small_tensors(path, ("d2t", "t2d"))
+    if not shapes:
+        return [Check("d2t", WARN, "no weights in the draft folder: draft vocabulary mapping not checked")]
+    checks = []
+    try:
+        cfg = spec.eagle3_config(info.num_layers)
+    except UserError as e:
+        return [Check("weights", WARN, f"not checked: {e}")]
+    expected = expected_shapes(cfg)
+    renamed = {}
+    for k, s in shapes.items():
+        k = k[len("model."):] if k.startswith("model.") else k
+        k = "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
+        renamed[k] = s
+    renamed = {k: s for k, s in renamed.items() if k not in ("embed_tokens.weight", "verifier_lm_head.weight",
+                                                               "verifier_norm.weight")}
+    core = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}
+    unknown = sorted(set(renamed) - set(expected))
+    missing = sorted(set(core) - set(renamed))
+    wrong = [k for k in core if k in renamed and renamed[k] != core[k]]
+    if unknown or missing or wrong:
+        detail = "; ".join(p for p in (f"unknown {unknown[:3]}" if unknown else "", f"missing {missing[:3]}" if missing
+                                       else "", f"shape of {wrong[:3]}" if wrong else "") if p)
+        checks.append(Check("weights", FAIL, f"tensors disagree with config.json: {detail}"))
+    else:
+        checks.append(Check("weights", PASS, f"{len(renamed)} tensors match config.json"))
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None:
+        if spec.draft_vocab_size == spec.vocab_size:
+            checks.append(Check("d2t", PASS, "no d2t; the draft vocabulary is the whole vocabulary (identity)"))
+        else:
+            checks.append(Check("d2t", FAIL, f"no d2t although the draft vocabulary ({spec.draft_vocab_size}) is "
+                                f"smaller than the vocabulary: draft ids cannot be mapped to target ids"))
+        return checks
+    d2t = d2t.long()
+    targets = torch.arange(d2t.numel()) + d2t
+    problems = []
+    if d2t.numel() != spec.draft_vocab_size:
+        problems.append(f"length {d2t.numel()} != draft vocab {spec.draft_vocab_size}")
+    if d2t.numel() and (int(targets.min()) < 0 or int(targets.max()) >= info.vocab_size):
+        problems.append(f"maps outside the target vocabulary 0..{info.vocab_size - 1}")
+    elif targets.unique().numel() != targets.numel():
+        problems.append("maps two draft ids to one target id")
+    if t2d is not None and not problems:
+        t2d = t2d.bool()
+        if t2d.numel() != info.vocab_size or int(t2d.sum()) != d2t.numel() or not bool(t2d[targets].all()):
+            problems.append("t2d disagrees with d2t")
+    if problems:
+        checks.append(Check("d2t", FAIL, "invalid draft vocabulary mapping: " + "; ".join(problems)))
+    else:
+        checks.append(Check("d2t", PASS, f"maps {d2t.numel()} draft ids to distinct target ids"))
+    return checks
+
+
+def _aux_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
+    L = info.num_layers
+    intended = spec.aux_layer_ids
+    for name, ids in (("trained", intended), ("vLLM", spec.vllm_reads(L)), ("SGLang", spec.sglang_reads(L))):
+        bad = [j for j in (ids or ()) if not 0 <= j < L]
+        if bad:
+            raise UserError(f"the draft's aux layer ids ({name} reading {list(ids)}) include {bad}, beyond the "
+                            f"target's {L} layers (ids 0..{L - 1}): this draft was made for a deeper model")
+    checks = []
+    if intended is not None and len(set(intended)) != len(intended):
+        checks.append(Check("aux layer ids", FAIL, f"{list(intended)} repeat a layer: the engines capture each layer "
+                            f"once and would hand the head fewer than {len(intended)} states"))
+    elif intended is not None and list(intended) != sorted(intended):
+        checks.append(Check("aux layer ids", WARN, f"{list(intended)} are not ascending: the engines hand the states "
+                            f"in layer order; a head trained in the listed order sees them permuted (outrider export "
+                            f"rewrites the order)"))
+    if intended is None:
+        checks.append(Check("aux layer ids", WARN, f"the draft names none ({spec.aux_ids_note}); layers trained on are "
+                            f"unknown, both engines capture {list(spec.vllm_reads(L))}"))
+    else:
+        checks.append(Check("aux layer ids", PASS, f"{list(intended)} within 0..{L - 1} ({spec.aux_ids_note})"))
+    for engine, reads in (("vllm", spec.vllm_reads(L)), ("sglang", spec.sglang_reads(L))):
+        if engine == "sglang" and spec.source == "speculators":
+            continue
+        label = "vLLM" if engine == "vllm" else "SGLang"
+        written = spec.written_eagle or spec.written_top
+        older = ""
+        if engine == "sglang" and written and written[0] != 1:
+            older = f" (SGLang before PR 25454 would capture {[j + 1 for j in written]}: use a current release)"
+        if intended is None or tuple(reads) == tuple(intended):
+            checks.append(Check("aux ids as read", PASS, f"{label} captures {list(reads)}{older}", engine))
+        else:
+            fix = "--format vllm" if engine == "vllm" else "--format sglang"
+            checks.append(Check("aux ids as read", FAIL, f"{label} would capture {list(reads)}, the head was trained "
+                                f"on {list(intended)}: re-export with outrider export {fix}", engine))
+    if spec.source == "eagle3" and intended is not None and (spec.written_eagle or spec.written_top or (0,))[0] == 1:
+        checks.append(Check("aux id convention", WARN, "ids starting at 1 are read differently by vLLM (unshifted) and "
+                            "SGLang (+1, PR 25454); outrider follows SGLang"))
+    return checks
+
+
+def _architecture_checks(spec: HeadSpec) -> list[Check]:
+    archs = spec.architectures or ((SPECULATORS_ARCH,) if spec.source == "speculators" else ())
+    checks = []
+    if spec.source == "speculators" or any(a in _VLLM_DRAFT_ARCHS for a in archs):
+        checks.append(Check("draft architecture", PASS, f"vLLM loads {list(archs)}", "vllm"))
+    else:
+        checks.append(Check("draft architecture", FAIL, f"vLLM does not load architectures {list(archs)} as an EAGLE-3 "
+                            f"draft: re-export with outrider export --format vllm", "vllm"))
+    if spec.source != "speculators" and any(a in _SGLANG_DRAFT_ARCHS for a in archs):
+        checks.append(Check("draft architecture", PASS, f"SGLang loads {list(archs)}", "sglang"))
+    else:
+        why = "a speculators checkpoint" if spec.source == "speculators" else f"architectures {list(archs)}"
+        checks.append(Check("draft architecture", FAIL, f"SGLang expects {DRAFT_ARCH}, this is {why}: re-export with "
+                            f"outrider export --format sglang", "sglang"))
+    return checks
+
+
+def _trained_for_check(spec: HeadSpec, name: str) -> Check:
+    if spec.trained_for is None:
+        return Check("trained for", WARN, "acceptance unknown: the draft does not say which target it was trained for")
+    if _same_model(spec.trained_for, name):
+        return Check("trained for", PASS, f"trained for this target ({spec.trained_for})")
+    return Check("trained for", WARN, f"acceptance unknown: trained for {spec.trained_for}, this target is {name} "
+                 f"(measure it with outrider bench)")
+
+
+def _dtype_checks(info: ArchInfo, spec: HeadSpec | None) -> list[Check]:
+    target = f"target {info.dtype or 'dtype unstated'}"
+    if info.quantization:
+        target += f", quantised ({info.quantization})"
+    if spec is None:
+        return [Check("dtype", PASS, target)]
+    if spec.quantization:
+        return [Check("dtype", WARN, f"{target}; the draft is quantised ({spec.quantization}): check your engine "
+                      f"supports a quantised EAGLE-3 head")]
+    return [Check("dtype", PASS, f"{target}; draft {spec.torch_dtype or 'dtype unstated'}, unquantised")]
+
+
+def _method_checks(cfg: dict[str, Any], info: ArchInfo, types: tuple[str, ...]) -> tuple[list[Check], str]:
+    checks = []
+    if info.num_mtp_layers:
+        checks.append(Check("method: mtp", PASS, f"{info.num_mtp_layers} MTP layer(s) in the checkpoint: vLLM "
+                            "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'; SGLang "
+                            "--speculative-algorithm EAGLE (the target's NextN layer is the draft)"))
+    else:
+        checks.append(Check("method: mtp", FAIL, "no MTP layers (num_nextn_predict_layers is 0 or absent)"))
+    eagle = _engine_support(types)
+    supported = [c for c in eagle if c.status == PASS]
+    if supported:
+        engines = " and ".join("vLLM" if c.engine == "vllm" else "SGLang" for c in supported)
+        caveats = "".join(f" ({c.reason})" for c in eagle if c.status != PASS)
+        checks.append(Check("method: eagle3", PASS, f"{engines} {'capture' if len(supported) > 1 else 'captures'} aux "
+                            f"states for this target{caveats}: train a head (outrider train) or check a published one "
+                            f"with --draft"))
+    else:
+        checks.append(Check("method: eagle3", WARN, eagle[0].reason + "; a recent engine release may add it"))
+    checks.append(Check("method: ngram", PASS, "no extra weights; pays off only on repetitive output (code edits, "
+                        "quoting), rarely on reasoning"))
+    checks.append(Check("method: draft_model", WARN, "needs a smaller model that shares this tokenizer; "
+                        "not checked here"))
+    if info.num_mtp_layers:
+        rec = "mtp: the target ships its own MTP layer(s); nothing to train"
+    elif supported:
+        rec = "eagle3: train a head with outrider train (or find a published one), then chains of ~3 draft tokens"
+    else:
+        rec = "ngram, until your engine supports EAGLE-3 for this target"
+    if info.is_moe and not info.num_mtp_layers:
+        rec += "; MoE: keep top-k 1 (a chain beats a tree of the same size)"
+    return checks, rec
+
+
+def _load_target(target: str | Path) -> tuple[Path, dict[str, Any], ArchInfo]:
+    path = resolve(target)
+    cfg = load_config_dict(target)
+    return path, cfg, arch_info(cfg)
+
+
+def inspect(target: str | Path, draft: str | Path | None = None) -> InspectReport:
+    """Check a target, and optionally an EAGLE-3 draft against it; see the module docstring."""
+    path, cfg, info = _load_target(target)
+    name = target_name(path, cfg)
+    types = _model_types(cfg, info)
+    if path.is_dir():
+        fp = tokenizer_fingerprint(path)
+    else:
+        fp = {"kind": "gguf", "note": "GGUF target: the tokenizer inside the GGUF is not fingerprinted"}
+    archs = ", ".join(info.architectures) or "no architectures"
+    checks = [Check("target", PASS, f"{name}: {'/'.join(types)} ({archs}), {info.num_layers} layers, "
+                    f"hidden {info.hidden_size}, vocab {info.vocab_size}")]
+    if draft is None:
+        tok = (f"{fp['kind']}, {fp.get('vocab_size', '?')} tokens" if fp.get("vocab_sha256")
+               else f"{fp.get('kind') or 'none'}: {fp.get('note', '')}")
+        checks.append(Check("tokenizer", PASS if fp.get("vocab_sha256") else WARN, tok))
+        checks += _attention_checks(info)
+        checks += _dtype_checks(info, None)
+        methods, rec = _method_checks(cfg, info, types)
+        checks += methods
+        usable = [c.name.removeprefix("method: ") for c in methods if c.status == PASS]
+        verdict = f"usable methods: {', '.join(usable)}" if usable else "no speculative method is usable"
+        return InspectReport(target=str(target), draft=None, checks=checks, servable=bool(usable), verdict=verdict,
+                             recommendation=rec, target_info=info.to_dict())
+
+    draft_path = Path(draft).expanduser()
+    spec = read_head_spec(draft_path)
+    if spec.draft_vocab_size > info.vocab_size:
+        raise UserError(f"the draft vocabulary ({spec.draft_vocab_size}) is larger than the target's vocabulary "
+                        f"({info.vocab_size}): this draft was made for another tokenizer")
+    if spec.draft_vocab_size > spec.vocab_size:
+        raise UserError(f"the draft's config is inconsistent: draft_vocab_size {spec.draft_vocab_size} > vocab_size "
+                        f"{spec.vocab_size}")
+    origin = {"outrider": "outrider", "speculators": "speculators", "eagle3": "SpecForge/SGLang-style"}[spec.source]
+    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {spec.hidden_size}, {spec.num_attention_heads} "
+                        f"heads x {spec.head_dim}, draft vocab {spec.draft_vocab_size}"))
+    draft_fp, source = None, ""
+    if any((draft_path / n).exists() for n in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")):
+        draft_fp, source = tokenizer_fingerprint(draft_path), "its tokenizer files"
+    elif spec.target_record.get("tokenizer"):
+        draft_fp, source = spec.target_record["tokenizer"], "the fingerprint recorded at export"
+    checks += _tokenizer_checks(fp, draft_fp, source)
+    if spec.vocab_size == info.vocab_size:
+        checks.append(Check("vocab size", PASS, f"{info.vocab_size} in both"))
+    else:
+        checks.append(Check("vocab size", FAIL, f"the draft was built for a vocabulary of {spec.vocab_size}, the "
+                            f"target has {info.vocab_size}"))
+    checks.append(Check("draft vocabulary", PASS, f"{spec.draft_vocab_size} of {info.vocab_size} target tokens "
+                        f"({100 * spec.draft_vocab_size / info.vocab_size:.0f}%)"))
+    if spec.target_hidden_size == info.hidden_size:
+        checks.append(Check("hidden size", PASS, f"fc takes 3 x {info.hidden_size}, the target's width"))
+    else:
+        checks.append(Check("hidden size", FAIL, f"the draft expects target hidden size {spec.target_hidden_size}, the "
+                            f"target has {info.hidden_size}"))
+    if spec.hidden_size != info.hidden_size:
+        checks.append(Check("embedding width", FAIL, f"the draft's hidden size {spec.hidden_size} differs from the "
+                            f"target's {info.hidden_size}, whose embedding it reuses"))
+    checks += _aux_checks(spec, info)
+    checks += _weights_checks(draft_path, spec, info)
+    checks += _architecture_checks(spec)
+    checks += _engine_support(types)
+    checks += _attention_checks(info)
+    if not spec.max_position_embeddings or not info.max_position_embeddings:
+        checks.append(Check("max positions", WARN, "max_position_embeddings missing on one side"))
+    elif spec.max_position_embeddings >= info.max_position_embeddings:
+        checks.append(Check("max positions", PASS, f"draft {spec.max_position_embeddings} >= target "
+                            f"{info.max_position_embeddings}"))
+    else:
+        checks.append(Check("max positions", WARN, f"draft {spec.max_position_embeddings} < target "
+                            f"{info.max_position_embeddings}: beyond that the draft runs outside its trained range"))
+    checks += _dtype_checks(info, spec)
+    checks.append(_trained_for_check(spec, name))
+    if spec.unsupported:
+        checks.append(Check("outrider support", WARN, f"outrider cannot run this head ({', '.join(spec.unsupported)}); "
+                            "the engines may still serve it"))
+    engines = {e: not any(c.status == FAIL and c.engine in (None, e) for c in checks) for e in ("vllm", "sglang")}
+    ok = [("vLLM" if e == "vllm" else "SGLang") for e, v in engines.items() if v]
+    warned = any(c.status == WARN for c in checks)
+    if ok:
+        verdict = f"servable by {' and '.join(ok)}" + (" (see warnings)" if warned else "")
+    else:
+        first = next(c for c in checks if c.status == FAIL)
+        verdict = f"not servable: {first.name}: {first.reason}"
+    return InspectReport(target=str(target), draft=str(draft), checks=checks, servable=bool(ok), verdict=verdict,
+                         engines=engines, target_info=info.to_dict(), draft_info=spec.to_dict())
