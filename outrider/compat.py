@@ -423,10 +423,18 @@ def _architecture_checks(spec: HeadSpec) -> list[Check]:
     return checks
 
 
-def _trained_for_check(spec: HeadSpec, name: str) -> Check:
+def _same_folder(spec: str, path: Path) -> bool:
+    """Whether a recorded target spec (``default``, a local path) resolves to this target's folder."""
+    try:
+        return resolve(spec).resolve() == path.resolve()
+    except (UserError, OSError):
+        return False
+
+
+def _trained_for_check(spec: HeadSpec, name: str, path: Path) -> Check:
     if spec.trained_for is None:
         return Check("trained for", WARN, "acceptance unknown: the draft does not say which target it was trained for")
-    if _same_model(spec.trained_for, name):
+    if _same_model(spec.trained_for, name) or _same_folder(spec.trained_for, path):
         return Check("trained for", PASS, f"trained for this target ({spec.trained_for})")
     return Check("trained for", WARN, f"acceptance unknown: trained for {spec.trained_for}, this target is {name} "
                  f"(measure it with outrider bench)")
@@ -554,7 +562,7 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
         checks.append(Check("max positions", WARN, f"draft {spec.max_position_embeddings} < target "
                             f"{info.max_position_embeddings}: beyond that the draft runs outside its trained range"))
     checks += _dtype_checks(info, spec)
-    checks.append(_trained_for_check(spec, name))
+    checks.append(_trained_for_check(spec, name, path))
     if spec.unsupported:
         checks.append(Check("outrider support", WARN, f"outrider cannot run this head ({', '.join(spec.unsupported)}); "
                             "the engines may still serve it"))

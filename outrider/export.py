@@ -218,12 +218,15 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     top = _ids(cfg.get("eagle_aux_hidden_state_layer_ids"))
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     written_eagle = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"))
-    if ours is not None and ours.get("aux_layer_ids") is not None:
-        if ours.get("aux_layer_ids_semantics", AUX_IDS_SEMANTICS) != AUX_IDS_SEMANTICS:
-            raise UserError(f"the head records aux ids as '{ours.get('aux_layer_ids_semantics')}', "
-                            f"outrider expects '{AUX_IDS_SEMANTICS}'")
-        aux, note = _ids(ours["aux_layer_ids"]), "recorded by outrider"
-        source = "outrider"
+    recorded = None
+    if ours is not None:  # export writes aux_layer_ids; the trainer writes them inside head_config
+        head_config = ours.get("head_config") if isinstance(ours.get("head_config"), dict) else {}
+        recorded = ours.get("aux_layer_ids", head_config.get("aux_layer_ids"))
+        semantics = ours.get("aux_layer_ids_semantics") or head_config.get("aux_layer_ids_semantics")
+        if recorded is not None and semantics not in (None, AUX_IDS_SEMANTICS):
+            raise UserError(f"the head records aux ids as '{semantics}', outrider expects '{AUX_IDS_SEMANTICS}'")
+    if recorded is not None:
+        aux, note, source = _ids(recorded), "recorded by outrider", "outrider"
     elif speculators:
         aux, note, source = top, "speculators ids (read as vLLM reads them)", "speculators"
     else:
@@ -237,7 +240,7 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
                     f"vLLM would read them unshifted")
         else:
             aux, note = written, "as written"
-    record = dict(ours.get("target") or {}) if ours is not None else {}
+    record = _record(ours.get("target")) if ours is not None else {}
     trained_for = record.get("name") or None
     if trained_for is None and speculators:
         verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
@@ -258,6 +261,13 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or ""),
         quantization=_quant_name(cfg), unsupported=tuple(unsupported),
     )
+
+
+def _record(target: Any) -> dict[str, Any]:
+    """The ``outrider.target`` record: a dict from export, a plain name from the trainer."""
+    if isinstance(target, dict):
+        return dict(target)
+    return {"name": str(target)} if target else {}
 
 
 def _front_matter(readme: str, key: str) -> str | None:
@@ -737,8 +747,7 @@ def _resolve_head(head_or_dir: Eagle3Head | str | Path, target_cfg: dict[str, An
     spec = read_head_spec(path)
     head, _ = load_head(path, target_cfg)
     meta = dict(read_config(path).get("outrider") or {})
-    if spec.trained_for and not meta.get("target"):
-        meta["target"] = {"name": spec.trained_for}
+    meta["target"] = _record(meta.get("target")) or _record(spec.trained_for)
     return head, meta
 
 

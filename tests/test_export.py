@@ -187,6 +187,42 @@ def test_unknown_or_missing_tensor_names_fail(head, target_dir, tmp_path):
         load_head(path)
 
 
+def test_reads_a_trainer_head_folder_with_ids_from_1(target, target_dir, tmp_path):
+    """The trainer's layout: the vLLM fields plus an outrider section with head_config and a target name."""
+    head = make_head(target_dir, aux_layer_ids=(1, 3, 5))
+    path = tmp_path / "trained"
+    path.mkdir()
+    config = json.loads(json.dumps(_contract_fields(head)))
+    config["outrider"] = {"format": "outrider-eagle3-head", "head_config": head.config.to_dict(),
+                          "target": str(target_dir), "draft_vocab": {"size": 32}}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, path / "model.safetensors")
+    loaded, cfg = load_head(path, target_dir)
+    assert cfg.aux_layer_ids == (1, 3, 5)  # recorded by outrider: not read as SGLang's "first id 1" convention
+    emb, states = inputs(target, cfg)[1:]
+    assert torch.equal(logits_of(loaded, emb, states), logits_of(head, emb, states))
+    report = export(path, "vllm", tmp_path / "v", dtype="float32")
+    assert report.written_aux_layer_ids == [1, 3, 5]
+    assert json.loads((tmp_path / "v/config.json").read_text())["outrider"]["target"] == {"name": str(target_dir)}
+    with pytest.raises(UserError, match="start at 1"):
+        export(path, "sglang", tmp_path / "s")
+
+
+def _contract_fields(head: Eagle3Head) -> dict:
+    c = head.config
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "hidden_act": c.hidden_act, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+            "tie_word_embeddings": False, "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids)},
+            "torch_dtype": "float32"}
+
+
 def test_imports_a_specforge_checkpoint(head, target, target_dir, tmp_path):
     """SpecForge writes LlamaForCausalLMEagle3 with eagle_config ids, midlayer.* and embed_tokens."""
     path = _checkpoint(head, target_dir, tmp_path)

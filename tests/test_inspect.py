@@ -185,6 +185,18 @@ def test_exported_heads_are_servable_by_the_engines_they_are_for(tiny, fmt, engi
     assert parsed["exit_code"] == 0 and len(parsed["checks"]) == len(report.checks)
 
 
+def test_a_head_recording_its_target_as_a_path_is_trained_for_it(tiny, tmp_path):
+    target, dirs, _ = tiny
+    head = tmp_path / "h"
+    shutil.copytree(dirs["vllm"], head)
+    config = json.loads((head / "config.json").read_text())
+    alias = tmp_path / "alias"  # a spec whose name differs from the folder's but resolves to it
+    alias.symlink_to(target, target_is_directory=True)
+    config["outrider"]["target"] = str(alias)  # the trainer records the spec it was given
+    (head / "config.json").write_text(json.dumps(config))
+    assert by_name(inspect(target, head), "trained for").status == PASS
+
+
 def test_a_different_vocabulary_fails(tiny):
     target, dirs, d = tiny
     other = d / "tiny-llama-other-vocab"
