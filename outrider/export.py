@@ -519,6 +519,15 @@ class ExportReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def summary(self) -> str:
+        """A few lines for the terminal: what was written, how it was checked, where the flags are."""
+        lines = [f"wrote a {self.format} EAGLE-3 checkpoint to {self.out}: {self.num_tensors} tensors, {self.dtype}",
+                 f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids}",
+                 f"reload check: max |logit difference| {self.max_abs_logit_diff:.3g} on random inputs",
+                 *(f"note: {n}" for n in self.notes),
+                 f"launch commands: {Path(self.out) / 'LAUNCH.md'}"]
+        return "\n".join(lines)
+
 
 def written_aux_ids(ids: Sequence[int], fmt: str) -> tuple[tuple[int, ...], str]:
     """The ids to write for ``fmt`` and how that engine reads them back (see module docstring)."""

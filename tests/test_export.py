@@ -110,6 +110,7 @@ def test_sglang_format_writes_ids_sglang_shifts_back(head, target_dir, tmp_path)
     report = export(head, "sglang", tmp_path / "s", target=str(target_dir), dtype="float32")
     cfg = json.loads((tmp_path / "s/config.json").read_text())
     assert report.written_aux_layer_ids == [1, 3, 4]
+    assert "written as [1, 3, 4]" in report.summary() and "LAUNCH.md" in report.summary()
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     spec = read_head_spec(tmp_path / "s")
