@@ -160,7 +160,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
-          loaded: tuple | None = None) -> dict[str, Any]:
+          loaded: tuple | None = None, graphs: bool | None = None) -> dict[str, Any]:
     """Measure ``method`` against autoregressive decoding on the same prompts; return one record."""
     from outrider.models import load_model, parse_dtype
 
@@ -175,8 +175,9 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     sampling = SamplingParams(temperature=temperature, seed=seed)
     eos = eos_token_ids(model, tokenizer)
     proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype)
-    ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos)
-    spec = SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos) if proposer else ar
+    graphs = dev.type == "cuda" if graphs is None else graphs
+    ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs)
+    spec = SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs) if proposer else ar
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         engine.generate(prompt_ids[:1], min(8, max_new_tokens))
     ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
@@ -208,6 +209,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "propose_step_ms": m["propose_step_ms"],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(torch_dtype).replace("torch.", ""),
+        "cuda_graphs": bool(graphs),
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),

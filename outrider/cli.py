@@ -74,7 +74,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
-          device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console())
+          device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(),
+          graphs=a.graphs)
     return 0
 
 
@@ -82,7 +83,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     from outrider.train.data import build_dataset
 
     report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
-                           max_length=a.max_length, seed=a.seed, regenerate=a.regenerate, server=a.server,
+                           max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
                            server_model=a.server_model, concurrency=a.concurrency,
                            max_new_tokens=a.max_new_tokens, progress=not a.quiet)
     print(report.summary() if hasattr(report, "summary") else report)
@@ -99,7 +100,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 def cmd_export(a: argparse.Namespace) -> int:
     from outrider.export import export
 
-    report = export(a.draft, a.format, a.out, target=a.target)
+    report = export(a.draft, a.format, a.out, target=a.target, dtype=a.dtype,
+                    num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -168,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", type=int, default=1)
     sp.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held-out split) or a .txt/.json file")
     sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
+    sp.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
+                    help="do not replay steps as CUDA graphs (they are used on CUDA by default)")
     sp.add_argument("--json", default=None, metavar="F", help="write the record(s) to this JSON file")
     runtime(sp)
     sp.set_defaults(fn=cmd_bench)
@@ -178,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-conversations", type=int, default=None)
     sp.add_argument("--max-length", type=int, default=2048)
+    sp.add_argument("--eval-fraction", type=float, default=0.05)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--regenerate", action="store_true", help="replace assistant turns by the target's own")
     sp.add_argument("--server", default=None, help="OpenAI-compatible endpoint for --regenerate")
@@ -206,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
     sp.add_argument("--out", required=True)
     sp.add_argument("--target", default=None, help="the target the head serves (recorded; checked)")
+    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sp.add_argument("--num-speculative-tokens", type=int, default=3, help="k written into the launch commands")
+    sp.add_argument("--include-embeddings", action="store_true",
+                    help="also write the target's embedding (some loaders want embed_tokens.weight)")
     sp.set_defaults(fn=cmd_export)
 
     sp = sub.add_parser("plan", help="predicted speedup per method, k and batch on given hardware")

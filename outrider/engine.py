@@ -11,8 +11,11 @@ on the CPU in our tests); sampled output follows the processed target distributi
 an EOS token or at ``max_new_tokens``. A rejected token costs nothing: the slot cache keeps it
 masked (``kv_cache.py``).
 
-Not done here: continuous batching (requests join only at prefill), trees (see ``tree.py``),
-CUDA graphs (see the GPU fast path), prompt caching across calls.
+On CUDA, ``graphs=True`` replays each target forward width (1 for plain decoding, k+1 for
+verification) as a CUDA graph over a static cache that is reused across calls.
+
+Not done here: continuous batching (requests join only at prefill), trees, prompt caching
+across calls, graphs for the proposers' own steps.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "used"):
+                 read_len: str = "used", graphs: bool = False):
         if proposer is not None:
             require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
         self.target = target
@@ -102,6 +105,21 @@ class SpecEngine:
         self.eos = set(int(e) for e in eos_ids)
         self.read_len = read_len
         self.device = next(target.parameters()).device
+        self.graphs = graphs and self.device.type == "cuda"
+        self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
+
+    def _target_lm(self, B: int, max_len: int, aux_ids) -> CachedLM:
+        if not self.graphs:
+            return CachedLM(self.target, B, max_len, aux_layer_ids=aux_ids, read_len=self.read_len)
+        key = (B, tuple(aux_ids or ()))
+        lm = self._pool.get(key)
+        if lm is None or lm.cache.max_len < max_len:
+            if lm is not None:
+                lm.close()
+            lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=True)
+            self._pool[key] = lm
+        lm.reset()
+        return lm
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -134,7 +152,7 @@ class SpecEngine:
                             f"{limit} positions: shorten the prompt or ask for fewer tokens")
         max_len = P + (max_new_tokens + 1) * (k + 1) + 1
         aux_ids = self.proposer.aux_layer_ids if self.proposer is not None else None
-        target = CachedLM(self.target, B, max_len, aux_layer_ids=aux_ids, read_len=self.read_len)
+        target = self._target_lm(B, max_len, aux_ids)
         rand = RowRandom(B, self.sampling.seed, stream=0)
         result = GenerationResult(tokens=[[] for _ in range(B)], k=k, proposed=[0] * k, accepted=[0] * k)
         try:
@@ -162,7 +180,8 @@ class SpecEngine:
                 last = self._step(target, last, active, rand, result, histories, max_new_tokens)
             result.decode_s = self._clock() - t_dec
         finally:
-            target.close()
+            if not self.graphs:
+                target.close()
             if self.proposer is not None:
                 self.proposer.close()
         return result

@@ -90,14 +90,24 @@ class SlotCache(Cache):
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [batch]
         self.ptr = 0  # first slot not yet written by a committed forward
         self.n_pending = 0
-        self.write_slots = torch.arange(0, device=device)
+        self._arange = torch.arange(max_len, device=device)
+        self._eye = torch.eye(64, dtype=torch.bool, device=device)  # new tokens per forward <= 64
+        self._slot_bufs: dict[int, torch.Tensor] = {}
+        self.write_slots = self._arange[:0]
         self.read_len = max_len
 
     def begin(self, n: int) -> None:
         """Reserve slots ``[ptr, ptr + n)`` for the next forward."""
         if self.ptr + n > self.max_len:
             raise RuntimeError(f"KV cache full: {self.ptr} + {n} slots > max_len {self.max_len}")
-        self.write_slots = torch.arange(self.ptr, self.ptr + n, device=self.valid.device)
+        if self.static:  # one persistent index buffer per width: CUDA graphs read it by address
+            buf = self._slot_bufs.get(n)
+            if buf is None:
+                buf = self._slot_bufs[n] = torch.arange(n, device=self.valid.device)
+            buf.copy_(self._arange[:n] + self.ptr)
+            self.write_slots = buf
+        else:
+            self.write_slots = self._arange[:n] + self.ptr
         self.read_len = self.max_len if self.static else self.ptr + n
         self.n_pending = n
 
@@ -109,16 +119,21 @@ class SlotCache(Cache):
         """
         B, n = query_valid.shape
         p = self.ptr
-        old = self.valid[:, None, :p].expand(B, n, p)  # [batch, n, ptr]
+        # committed slots of the row; every slot >= ptr is invalid for every row
+        allowed = self.valid[:, None, :self.read_len].expand(B, n, self.read_len).clone()  # [batch, n, read_len]
         new = new_mask.expand(B, n, n) & query_valid[:, None, :]
-        new = new | torch.eye(n, dtype=torch.bool, device=new.device)  # a query always sees itself
-        allowed = torch.cat([old, new], dim=-1)  # [batch, n, ptr + n]
-        if self.read_len > p + n:
-            pad = allowed.new_zeros(B, n, self.read_len - p - n)
-            allowed = torch.cat([allowed, pad], dim=-1)
+        eye = self._eye[:n, :n] if n <= self._eye.shape[0] else torch.eye(n, dtype=torch.bool, device=new.device)
+        allowed[:, :, p:p + n] = new | eye  # a query always sees itself
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[:, None]
+
+    def reset(self) -> None:
+        """Forget every row's tokens (buffers and graphs stay allocated for the next batch)."""
+        self.valid.zero_()
+        self.lengths.zero_()
+        self.ptr = 0
+        self.n_pending = 0
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep, per row, the new tokens where ``keep`` [batch, n] is True.
@@ -179,14 +194,23 @@ class CachedLM:
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
-                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "used"):
+                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "used", graphs: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.graphs = graphs and self.device.type == "cuda"
+        if self.graphs:
+            read_len = "max"
         self.cache = SlotCache(model.config.num_hidden_layers, batch_size, max_len, self.device, read_len)
         self.capture = AuxCapture(model, aux_layer_ids) if aux_layer_ids else None
         self.aux: torch.Tensor | None = None
         self._cache_kw = cache_kwarg(model)
+        self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, positions, mask, logits, aux)
+        self._mempool = None
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.aux = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -208,14 +232,49 @@ class CachedLM:
             new_mask = causal_mask(n, ids.device)
         self.cache.begin(n)
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
+        positions = positions.clamp_min(0)
+        if self.graphs and logits_at is None:
+            return self._replay(ids, positions, mask)
         extra = {self._cache_kw: self.cache}
         if logits_at is not None:
             extra["logits_to_keep"] = logits_at
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0),
-                         use_cache=True, **extra)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         if self.capture is not None:
             self.aux = self.capture.concat()
         return out.logits  # [batch, n or m, vocab]
+
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the forward as a CUDA graph captured once per width n (static shapes, static slots)."""
+        n = ids.shape[1]
+        entry = self._graphs.get(n)
+        if entry is None:
+            entry = self._capture(ids, positions, mask)
+            self._graphs[n] = entry
+        graph, s_ids, s_pos, s_mask, s_logits, s_aux = entry
+        s_ids.copy_(ids)
+        s_pos.copy_(positions)
+        s_mask.copy_(mask)
+        graph.replay()
+        self.aux = s_aux
+        return s_logits
+
+    def _capture(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> tuple:
+        s_ids, s_pos, s_mask = ids.clone(), positions.clone(), mask.clone()
+        kwargs = dict(input_ids=s_ids, attention_mask=s_mask, position_ids=s_pos, use_cache=True)
+        kwargs[self._cache_kw] = self.cache
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up writes only into the reserved, not yet valid slots
+            for _ in range(2):
+                self.model(**kwargs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
+            self._mempool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = self.model(**kwargs)
+            s_aux = self.capture.concat() if self.capture is not None else None
+        return graph, s_ids, s_pos, s_mask, out.logits, s_aux
 
     def commit(self, keep: torch.Tensor) -> None:
         self.cache.commit(keep)
