@@ -1,0 +1,159 @@
+"""Dataclass configs: settings of a stage as plain, JSON-round-trippable values.
+
+Contract:
+- ``TrainConfig`` holds every setting of an EAGLE-3 training run (``outrider.train.trainer``):
+  the optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``, gradient
+  clipping, accumulation), the batch geometry, the training-time-test unroll, the draft
+  vocabulary size, evaluation and checkpoint cadence, and the seed. ``preset(name)`` returns one
+  of the named presets (``quick``: a few minutes on a 2-core CPU with the default model;
+  ``full``: about ten minutes of training on one H200).
+- ``to_dict`` / ``from_dict`` / ``save`` / ``load`` round-trip through JSON exactly;
+  ``from_dict`` refuses unknown keys and bad values with a one-line ``UserError`` (a typo in a
+  ``--config`` file must not be silently ignored). ``replace(**changes)`` returns a validated copy.
+- Batch geometry: ``batch_size`` is per process and per micro-batch; one optimizer step sees
+  ``batch_size * world_size * grad_accum`` sequences (the global batch), whatever the number
+  of processes.
+
+Not done here: reading command-line flags (``outrider.cli``), choosing a preset from the hardware
+(the trainer does), settings of stages other than training.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace as _dc_replace
+from pathlib import Path
+from typing import Any
+
+from outrider.errors import UserError
+from outrider.fsutil import atomic_write_json
+
+PRESET_NAMES = ("quick", "full")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of an EAGLE-3 training run; every field is a JSON scalar or list."""
+
+    steps: int = 300  # optimizer steps of the whole run (the schedule's horizon)
+    batch_size: int = 4  # sequences per process per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_length: int = 1024  # tokens per sequence at training time (longer examples are cut)
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at `steps`
+    warmup_steps: int = 20  # linear warmup from 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 0.5  # max global gradient norm; 0 disables clipping
+    ttt_steps: int = 7  # training-time-test unroll length
+    step_decay: float = 0.8  # loss weight of unroll step i is step_decay**i
+    draft_vocab_size: int | None = 32000  # None = min(32000, target vocab); capped at the target's
+    aux_layer_ids: tuple[int, ...] | None = None  # None = (2, L//2, L-3)
+    tau_k: int = 5  # chain length of the simulated acceptance length that selects the best head
+    eval_every: int = 100  # optimizer steps between evaluations (and at the end)
+    eval_examples: int | None = 256  # eval conversations per evaluation; None = the whole eval split
+    save_every: int = 100  # optimizer steps between checkpoints of the full state (and at the end)
+    log_every: int = 1  # optimizer steps between lines of metrics.jsonl
+    init_from_target: bool = True  # start lm_head (draft rows) and the final norm from the target's
+    seed: int = 0  # head initialisation and data order
+    amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(int(j) for j in self.aux_layer_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("steps", "batch_size", "grad_accum", "ttt_steps", "tau_k", "eval_every", "save_every",
+                    "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"training setting '{name}' must be a positive integer, got {value!r}")
+        if not isinstance(self.max_length, int) or self.max_length < 8:
+            raise UserError(f"training setting 'max_length' must be an integer >= 8, got {self.max_length!r}")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
+            raise UserError(f"training setting 'warmup_steps' must be in 0..steps ({self.steps}), got {self.warmup_steps!r}")
+        if not self.lr > 0:
+            raise UserError(f"training setting 'lr' must be positive, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"training setting 'min_lr_ratio' must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.adam_eps <= 0:
+            raise UserError("training settings 'weight_decay' and 'grad_clip' must be >= 0 and 'adam_eps' > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise UserError(f"training setting 'betas' must be two numbers in [0, 1), got {list(self.betas)}")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise UserError(f"training setting 'step_decay' must be in (0, 1], got {self.step_decay!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise UserError(f"training setting 'draft_vocab_size' must be positive, got {self.draft_vocab_size!r}")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise UserError(f"training setting 'aux_layer_ids' needs exactly 3 ids, got {list(self.aux_layer_ids)}")
+        if self.eval_examples is not None and self.eval_examples < 1:
+            raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
+
+    # --- presets ------------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> "TrainConfig":
+        if name not in PRESETS:
+            raise UserError(f"unknown training preset '{name}': use one of {', '.join(PRESET_NAMES)}")
+        return PRESETS[name]
+
+    # --- (de)serialisation --------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        d["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(d, dict):
+            raise UserError(f"a training config must be a JSON object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise UserError(f"unknown training setting(s) {', '.join(unknown)}: known ones are {', '.join(sorted(names))}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise UserError(f"bad training config: {e}") from None
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return _dc_replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read the training config {p}: {e}") from None
+        if isinstance(d, dict) and isinstance(d.get("config"), dict):  # a train_config.json of an earlier run
+            d = d["config"]
+        return cls.from_dict(d)
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # A 2-core CPU, the default model: ~10 minutes including the target's forward.
+    "quick": TrainConfig(
+        steps=300, batch_size=4, grad_accum=1, max_length=384, lr=1e-3, min_lr_ratio=0.1, warmup_steps=15,
+        grad_clip=0.5, ttt_steps=5, draft_vocab_size=8192, eval_every=100, eval_examples=48, save_every=100,
+    ),
+    # One H200, the default model: about ten minutes of training.
+    "full": TrainConfig(
+        steps=2400, batch_size=8, grad_accum=2, max_length=2048, lr=5e-4, min_lr_ratio=0.05, warmup_steps=100,
+        grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=300, eval_examples=512, save_every=300,
+    ),
+}

@@ -1,0 +1,822 @@
+"""Train an EAGLE-3 head on a frozen target: online capture, training-time test, exact resume, DDP.
+
+Contract:
+- ``train(target, data, out, ...)`` keeps the target in memory (frozen, ``no_grad``; bf16 on
+  CUDA) and, per micro-batch, captures its aux states and its logits over the draft vocabulary
+  (``outrider.train.capture``), then takes the training-time-test loss of the head
+  (``outrider.train.ttt``). AdamW, linear warmup then cosine decay, gradient clipping, bf16
+  autocast of the head on CUDA, gradient accumulation, periodic evaluation on the eval split;
+  the best head is the one with the highest simulated acceptance length at ``tau_k`` drafts.
+- Loss normalisation: each unroll step's soft cross-entropy is averaged over the loss positions
+  of the whole global batch (all micro-batches on all ranks: the counts are known from the masks
+  before any forward and summed over ranks), so 1 process and N processes with the same global
+  batch compute the same gradient up to float rounding.
+- The draft vocabulary is built from the training split's loss-masked token counts before the
+  first step and stored with every checkpoint; a resume or an ``init`` fine-tune whose data
+  would give another vocabulary refuses (``UserError``).
+- Output directory ``out``:
+  * ``head/``: the best head so far, a servable folder written by ``outrider.export.save_head``
+    (``config.json`` in the vLLM/SGLang EAGLE-3 format with an ``outrider`` section holding the
+    head config, the draft vocabulary's summary and the training step; ``model.safetensors``
+    in float32 with ``d2t``/``t2d``; ``LAUNCH.md``);
+  * ``last/``: the full training state: ``head/`` (the current head, same layout),
+    ``draft_vocab.safetensors`` (with the token counts), ``trainer_state.pt`` (optimizer,
+    scheduler, RNG states of python/numpy/torch/cuda, data position ``(epoch, batch, shuffle
+    seed)``, step, best score, config) and ``trainer_state.json`` (its readable summary);
+  * ``metrics.jsonl``: one line per logged step (``type: train``: loss, per-step loss and
+    accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, MFU on
+    CUDA) and per evaluation (``type: eval``); appended as training goes, cut back to the
+    checkpoint's step on resume;
+  * ``train_config.json``: the settings, the target, the data and the draft vocabulary.
+  Directories are swapped in atomically (``outrider.fsutil.atomic_dir``); a run killed at any
+  point leaves the previous complete ``last/`` and ``head/``. Aux layer ids are kept in
+  ascending order (the order of ``fc``'s input blocks is arbitrary; the engines capture in
+  layer order).
+- Exact resume: ``resume=True`` restores everything in ``last/`` and continues with the next
+  micro-batch of the same epoch order; on CPU the result is bit-identical to a run that was
+  never interrupted. ``max_steps`` stops the run early at that optimizer step (checkpointed)
+  without changing the schedule, whose horizon is the config's ``steps``.
+- Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
+  DDP replica of the head and reads its share of each global batch; only rank 0 writes and
+  prints, with barriers around checkpoints. Resuming needs the same number of processes.
+- Errors a user can fix (an empty dataset, data of another tokenizer, a vocabulary mismatch,
+  resuming without a checkpoint, a non-finite loss) are one-line ``UserError``s raised before
+  anything already written is touched.
+
+Not done here: the loss and the mask (``ttt``), the capture (``capture``), the data format
+(``data``), FSDP2 (``dist.shard_head`` is the documented hook), offline hidden-state datasets,
+attention FLOPs in the MFU (only matmul FLOPs are counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from outrider.config import TrainConfig
+from outrider.errors import UserError
+from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
+from outrider.head import Eagle3Config, Eagle3Head
+from outrider.train import dist
+from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
+from outrider.train.ttt import ttt_loss
+from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
+
+STATE_FORMAT = "outrider-train-state"
+STATE_VERSION = 1
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+@dataclass
+class TrainReport:
+    out: str
+    head_dir: str
+    preset: str | None
+    steps: int  # optimizer steps done in total (including resumed ones)
+    schedule_steps: int  # the schedule's horizon (config ``steps``)
+    best_step: int
+    best_sim_tau: float  # simulated acceptance length at ``tau_k`` drafts of the saved head
+    tau_k: int
+    final_eval: dict[str, Any]  # the last evaluation's metrics (empty without an eval split)
+    train_tokens: int  # real tokens seen by this run (all ranks, resumed part excluded)
+    wall_s: float  # this invocation, loading included
+    train_s: float  # time inside optimizer steps (capture, TTT, backward, update)
+    tokens_per_s: float  # train_tokens / train_s, the target's forward included
+    mfu: float | None
+    mfu_note: str
+    world_size: int
+    global_batch: int  # sequences per optimizer step
+    device: str
+    draft_vocab_size: int
+    vocab_coverage: float  # share of the training data's loss tokens the draft vocabulary covers
+    resumed_from: int | None = None
+    rank: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"trained {self.steps}/{self.schedule_steps} steps on {self.device} x{self.world_size} "
+                 f"(global batch {self.global_batch}, preset {self.preset or 'custom'})"
+                 + (f", resumed from step {self.resumed_from}" if self.resumed_from is not None else "")]
+        lines.append(f"best head: {self.head_dir} (step {self.best_step}, simulated tau@{self.tau_k} "
+                     f"{self.best_sim_tau:.3f})")
+        if self.final_eval:
+            acc = ", ".join(f"{a:.2f}" for a in self.final_eval.get("per_step_acc", []))
+            lines.append(f"final eval: loss {self.final_eval['loss']:.4f}, accuracy per step [{acc}], "
+                         f"simulated tau@{self.tau_k} {self.final_eval['sim_tau_k']:.3f}")
+        mfu = f", MFU {100 * self.mfu:.1f}%" if self.mfu is not None else f" ({self.mfu_note})"
+        lines.append(f"{self.train_tokens} tokens in {self.train_s:.0f} s of training ({self.wall_s:.0f} s in all): "
+                     f"{self.tokens_per_s:.0f} tokens/s including the target's forward{mfu}")
+        lines.append(f"draft vocabulary {self.draft_vocab_size} tokens, covering {100 * self.vocab_coverage:.1f}% "
+                     "of the training loss tokens")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule, objective, metrics
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Multiplier of ``lr`` for the optimizer step after ``step`` completed ones."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(config.steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / span, 1.0)
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def counted_per_step(loss_mask: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Positions the TTT loss counts at each unroll step: [steps] int64.
+
+    loss_mask, attention_mask: [batch, seq]. Step ``i`` counts position ``t`` iff token
+    ``t + 2 + i`` is real and loss-masked (``outrider.train.ttt``'s rule; with right padding a
+    real later token implies a real ``t``).
+    """
+    learn = loss_mask.bool() & attention_mask.bool()  # [batch, seq]
+    return torch.tensor([int(learn[:, 2 + i:].sum()) for i in range(steps)], dtype=torch.long)
+
+
+def tau_at(acc: Sequence[float], k: int) -> float:
+    """Simulated acceptance length of a chain of ``k`` drafts: ``1 + sum_{j<=k} prod_{i<=j} acc_i``."""
+    total, run = 1.0, 1.0
+    for a in list(acc)[:k]:
+        run *= float(a)
+        total += run
+    return total
+
+
+class _Objective(nn.Module):
+    """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
+
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int):
+        super().__init__()
+        self.head = head
+        self._embedding = (embedding,)  # the target's, frozen; not a submodule (DDP must not see it)
+        self.ttt_steps = ttt_steps
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
+                attention_mask: torch.Tensor, weights: Sequence[float]):
+        # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
+        # teacher: [batch, seq, draft_vocab]
+        return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
+                        steps=self.ttt_steps, weights=list(weights), reduction="sum")
+
+
+class _Sums:
+    """Per-step sums over a batch (all micro-batches; all ranks after ``reduce``)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.ce = torch.zeros(steps, dtype=torch.float64)  # [steps] summed soft cross-entropy
+        self.correct = torch.zeros(steps, dtype=torch.long)  # [steps] argmax agreements
+        self.counted = torch.zeros(steps, dtype=torch.long)  # [steps] loss positions
+        self.tokens = 0  # real tokens
+
+    def add(self, out, tokens: int) -> None:
+        self.ce += out.per_step_loss.double() * out.per_step_tokens.double()
+        self.correct += out.per_step_correct
+        self.counted += out.per_step_tokens
+        self.tokens += int(tokens)
+
+    def merge(self, other: "_Sums") -> None:
+        self.ce += other.ce
+        self.correct += other.correct
+        self.counted += other.counted
+        self.tokens += other.tokens
+
+    def reduce(self, env: dist.DistEnv) -> None:
+        packed = torch.cat([self.ce, self.correct.double(), self.counted.double(),
+                            torch.tensor([float(self.tokens)], dtype=torch.float64)])
+        dist.all_reduce_sum(packed, env)
+        s = self.steps
+        self.ce = packed[:s]
+        self.correct = packed[s:2 * s].round().long()
+        self.counted = packed[2 * s:3 * s].round().long()
+        self.tokens = int(packed[3 * s].round())
+
+    def metrics(self, weights: Sequence[float], tau_k: int) -> dict[str, Any]:
+        n = self.counted.clamp_min(1).double()
+        per_step_loss = (self.ce / n).tolist()
+        acc = (self.correct.double() / n).tolist()
+        return {
+            "loss": float(sum(w * l for w, l in zip(weights, per_step_loss))),
+            "per_step_loss": [round(x, 6) for x in per_step_loss],
+            "per_step_acc": [round(x, 6) for x in acc],
+            "sim_tau": round(tau_at(acc, len(acc)), 6),
+            "sim_tau_k": round(tau_at(acc, tau_k), 6),
+            "positions": int(self.counted[0]),
+            "tokens": self.tokens,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Head folders (written and read by ``outrider.export``: the vLLM layout in float32 + ``outrider``)
+
+
+def _init_head_dir(path: str | Path) -> Path:
+    """A head folder, or a training output directory (its best ``head/``)."""
+    p = Path(path).expanduser()
+    if not (p / "config.json").exists() and (p / "head" / "config.json").exists():
+        return p / "head"
+    if not (p / "config.json").exists():
+        raise UserError(f"--init {p} is not an EAGLE-3 head folder (no config.json): give a head folder or the "
+                        "--out of an earlier training run")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def _choose_config(preset: str | None, config: TrainConfig | str | None, device: torch.device
+                   ) -> tuple[TrainConfig, str | None]:
+    if isinstance(config, TrainConfig):
+        if preset is not None and config != TrainConfig.preset(preset):
+            raise UserError("give either a preset or a TrainConfig, not both")
+        return config, preset
+    name = preset or ("full" if device.type == "cuda" else "quick")
+    base = TrainConfig.preset(name)
+    if config is None:
+        return base, name
+    p = Path(config).expanduser()
+    if not p.is_file():
+        raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
+    try:
+        overrides = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read the training config {p}: {e}") from None
+    if isinstance(overrides, dict) and isinstance(overrides.get("config"), dict):  # an earlier train_config.json
+        overrides = overrides["config"]
+    if not isinstance(overrides, dict):
+        raise UserError(f"the training config {p} must be a JSON object of settings")
+    merged = base.to_dict()
+    unknown = sorted(set(overrides) - set(merged))
+    if unknown:
+        raise UserError(f"unknown training setting(s) {', '.join(unknown)} in {p}: known ones are "
+                        f"{', '.join(sorted(merged))}")
+    merged.update(overrides)
+    return TrainConfig.from_dict(merged), name
+
+
+def _load_split(data: str, split: str, required: bool) -> TokenDataset | None:
+    manifest = read_manifest(data)
+    if split not in manifest.get("splits", {}) or manifest["splits"][split].get("examples", 0) == 0:
+        if required:
+            raise UserError(f"the dataset {data} has no {split} examples: build it with `outrider data` "
+                            "from conversations that have assistant turns")
+        return None
+    return load_dataset(data, split)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _peak_flops(device: torch.device) -> tuple[float | None, str]:
+    if device.type != "cuda":
+        return None, "MFU is reported on CUDA only"
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return peak, f"peak {peak / 1e12:.0f} TFLOP/s bf16 ({name})"
+    return None, f"MFU skipped: the bf16 peak of '{name}' is not known"
+
+
+class _Cursor:
+    """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by ``seed``)."""
+
+    def __init__(self, ds: TokenDataset, batch_size: int, env: dist.DistEnv, seed: int, epoch: int = 0,
+                 batch: int = 0):
+        self.ds, self.batch_size, self.env, self.seed = ds, batch_size, env, seed
+        self.epoch, self.batch = epoch, batch
+        self.per_epoch = ds.num_batches(batch_size, env.world_size)
+        self._it: Iterator[Batch] | None = None
+
+    def next(self) -> Batch:
+        if self.batch >= self.per_epoch:
+            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+        if self._it is None:
+            self._it = self.ds.batches(self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch,
+                                       rank=self.env.rank, world_size=self.env.world_size)
+        self.batch += 1
+        return next(self._it)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed}
+
+
+def _cut(batch: Batch, max_length: int) -> Batch:
+    return Batch(batch.input_ids[:, :max_length], batch.attention_mask[:, :max_length],
+                 batch.loss_mask[:, :max_length], batch.indices)
+
+
+class _Bar:
+    """A rich progress bar with loss, step-0 accuracy, simulated tau and tokens/s; or nothing."""
+
+    def __init__(self, enabled: bool, total: int, done: int):
+        self._progress = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self._progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]} acc0 {task.fields[acc0]} tau {task.fields[tau]} "
+                           "{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total, completed=done, loss="-", acc0="-",
+                                                 tau="-", tps="-")
+
+    def update(self, step: int, m: dict[str, Any], tps: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=f"{m['loss']:.3f}",
+                                  acc0=f"{m['per_step_acc'][0]:.2f}", tau=f"{m['sim_tau_k']:.2f}", tps=f"{tps:.0f}")
+
+    def log(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+
+
+def train(target: str, data: str, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
+          init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
+          dtype: str | torch.dtype | None = None, max_steps: int | None = None,
+          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None
+          ) -> TrainReport:
+    """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` into ``out``.
+
+    preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
+    config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
+    init:          a head folder (any format ``outrider.export.load_head`` reads) or an earlier
+                   run's ``out`` to fine-tune; its vocabulary must be the one the data gives
+    resume:        continue the run in ``out/last`` exactly where it stopped
+    max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
+    aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
+    loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
+    """
+    env = dist.init_from_env(device)
+    try:
+        return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
+                        progress, loaded_target).run()
+    finally:
+        dist.shutdown(env)
+
+
+def train_from_cli(args: Any) -> TrainReport:
+    """``outrider train``: the CLI's namespace -> ``train``; rank 0 prints the summary."""
+    report = train(args.target, args.data, args.out, preset=args.preset, config=args.config, init=args.init,
+                   resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
+                   aux_layer_ids=args.aux_layers, progress=not args.quiet)
+    if report.rank == 0:
+        print(report.summary())
+    return report
+
+
+class _Trainer:
+    def __init__(self, env: dist.DistEnv, target: str, data: str, out: str, preset: str | None,
+                 config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
+                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any):
+        self.t_start = time.perf_counter()
+        self.env, self.target_name, self.data, self.init = env, str(target), str(data), init
+        self.out = Path(out).expanduser()
+        self.last_dir, self.head_dir = self.out / "last", self.out / "head"
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.progress = progress and env.is_main
+        self.notes: list[str] = []
+
+        # -- settings: from the checkpoint when resuming, else preset / config / flags
+        self.resume_state: dict[str, Any] | None = None
+        if resume:
+            self.resume_state = self._read_state()
+            saved = TrainConfig.from_dict(self.resume_state["config"])
+            if config is not None or preset is not None:
+                asked, _ = _choose_config(preset, config, env.device)
+                if asked.replace(aux_layer_ids=saved.aux_layer_ids) != saved:
+                    raise UserError("--resume continues with the checkpoint's settings: drop --preset/--config, "
+                                    "or train into a new --out")
+            if aux_layer_ids is not None and tuple(sorted(aux_layer_ids)) != saved.aux_layer_ids:
+                raise UserError(f"--aux-layers {list(aux_layer_ids)} differ from the checkpoint's "
+                                f"{list(saved.aux_layer_ids)}: drop --aux-layers to resume")
+            if init is not None:
+                raise UserError("--init starts a new run from a head and --resume continues one: give only one")
+            if int(self.resume_state["world_size"]) != env.world_size:
+                raise UserError(f"the checkpoint was written by {self.resume_state['world_size']} process(es), this "
+                                f"run has {env.world_size}: resume with the same --nproc-per-node")
+            self.config, self.preset = saved, self.resume_state.get("preset")
+        else:
+            if (self.last_dir / "trainer_state.pt").exists():
+                raise UserError(f"{self.out} already holds a training run: pass --resume to continue it, "
+                                "or choose a new --out")
+            self.config, self.preset = _choose_config(preset, config, env.device)
+            if aux_layer_ids is not None:
+                self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids))
+        cfg = self.config
+        self.stop_at = cfg.steps if max_steps is None else int(max_steps)
+        if not 1 <= self.stop_at <= cfg.steps:
+            raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
+                            "'steps' in a --config file to train longer)")
+
+        # -- data (checked before the target is loaded: a bad directory fails fast)
+        self.train_ds = _load_split(self.data, "train", required=True)
+        self.eval_ds = _load_split(self.data, "eval", required=False)
+        self.global_batch = cfg.batch_size * env.world_size * cfg.grad_accum
+        if self.train_ds.num_batches(cfg.batch_size, env.world_size) < 1:
+            raise UserError(f"the training split has {len(self.train_ds)} conversations, fewer than one batch of "
+                            f"{cfg.batch_size * env.world_size} (batch_size x processes): lower batch_size or add data")
+
+        # -- the target, frozen
+        self.model, tokenizer = self._load_target(loaded_target, dtype)
+        if tokenizer is not None:
+            self.train_ds.check_tokenizer(tokenizer)
+        target_cfg = self.model.config
+        from outrider.models import arch_info
+
+        vocab_size = arch_info(target_cfg).vocab_size
+
+        # -- the draft vocabulary, and the head (fresh, fine-tuned or resumed)
+        init_head = None
+        size = min(cfg.draft_vocab_size or 32000, vocab_size)
+        if init is not None:
+            from outrider.export import load_head
+
+            init_head, _ = load_head(_init_head_dir(init), target_config=target_cfg)
+            init_vocab = DraftVocab.from_mapping(init_head.d2t, init_head.t2d)
+            size = init_vocab.draft_vocab_size
+            if cfg.aux_layer_ids is not None and tuple(sorted(cfg.aux_layer_ids)) != init_head.config.aux_layer_ids:
+                raise UserError(f"aux layer ids {list(cfg.aux_layer_ids)} differ from those of the --init head "
+                                f"{list(init_head.config.aux_layer_ids)}: drop --aux-layers")
+            self.config = cfg = cfg.replace(aux_layer_ids=init_head.config.aux_layer_ids, draft_vocab_size=size)
+        pairs = ((ids.astype(np.int64), mask.astype(np.int64)) for ids, mask in
+                 zip(self.train_ds.input_ids, self.train_ds.loss_mask))
+        self.vocab = build_draft_vocab(pairs, vocab_size, size)
+        if init is not None:
+            check_same(init_vocab, self.vocab)
+        if self.resume_state is not None:
+            check_same(DraftVocab.load(self.last_dir), self.vocab)
+
+        # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
+        aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+        head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids)
+        if len(set(head_cfg.aux_layer_ids)) != 3:
+            raise UserError(f"aux layer ids {list(head_cfg.aux_layer_ids)} repeat a layer (the target has "
+                            f"{arch_info(target_cfg).num_layers} layers), so no engine could serve the head: "
+                            "pass three distinct ids with --aux-layers")
+        self.config = cfg = cfg.replace(aux_layer_ids=head_cfg.aux_layer_ids)
+        if init_head is not None:
+            self._check_init_fits(init_head.config, head_cfg)
+        torch.manual_seed(cfg.seed)
+        self.head = Eagle3Head(head_cfg)
+        self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
+        if init_head is not None:
+            self.head.load_state_dict(init_head.state_dict())
+        elif cfg.init_from_target:
+            self._init_from_target()
+        if self.resume_state is not None:
+            self._load_head_weights(self.last_dir / "head")
+        self.head.to(env.device)
+        self.embedding = self.model.get_input_embeddings()
+
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
+        self.autocast = env.device.type == "cuda" and cfg.amp
+        self.flops_per_token_target = self._target_flops_per_token()
+        self.peak, self.mfu_note = _peak_flops(env.device)
+
+        # -- state: fresh or resumed
+        self.step, self.best_step, self.best_score = 0, 0, -math.inf
+        self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, cfg.seed)
+        self.last_eval: dict[str, Any] = {}
+        self.window = _Sums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
+        if self.resume_state is not None:
+            s = self.resume_state
+            self.optimizer.load_state_dict(s["optimizer"])
+            self.scheduler.load_state_dict(s["scheduler"])
+            self.step, self.best_step, self.best_score = int(s["step"]), int(s["best_step"]), float(s["best_score"])
+            pos = s["position"]
+            self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, int(pos["seed"]), int(pos["epoch"]),
+                                  int(pos["batch"]))
+            self.last_eval = s.get("last_eval") or {}
+            w = s["window"]
+            self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
+            self.window.tokens = int(w["tokens"])
+            if self.step >= self.stop_at:
+                self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
+        self.resumed_from = self.step if self.resume_state is not None else None
+
+    # -- setup pieces ---------------------------------------------------------------------------
+
+    def _read_state(self) -> dict[str, Any]:
+        path = self.last_dir / "trainer_state.pt"
+        if not path.exists():
+            raise UserError(f"nothing to resume: {self.last_dir} holds no checkpoint; start without --resume")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except (OSError, RuntimeError, EOFError) as e:
+            raise UserError(f"cannot read the checkpoint {path}: {e}") from None
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise UserError(f"{path} is not an outrider training state")
+        return state
+
+    def _load_target(self, loaded: Any, dtype: Any):
+        from outrider.models import load_model, load_tokenizer
+
+        if loaded is None:
+            model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype)
+        else:
+            model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(self.target_name)
+            model = model.to(self.env.device)
+        return model.eval().requires_grad_(False), tokenizer
+
+    def _load_head_weights(self, directory: Path) -> None:
+        from outrider.export import load_head
+
+        saved, saved_cfg = load_head(directory)
+        if saved_cfg != self.head.config:
+            raise UserError(f"the head in {directory} does not match this run's settings: train into a new --out")
+        self.head.load_state_dict(saved.state_dict())
+
+    @torch.no_grad()
+    def _init_from_target(self) -> None:
+        """lm_head <- the target's lm_head rows of the draft vocabulary; norm <- the target's final norm.
+
+        The head then starts by reading its hidden state the way the target reads its last one,
+        which shortens training; the rest stays randomly initialised.
+        """
+        lm_head = self.model.get_output_embeddings()
+        if lm_head is not None and tuple(lm_head.weight.shape[1:]) == (self.head.config.hidden_size,):
+            rows = lm_head.weight.detach().index_select(0, self.vocab.draft_ids.to(lm_head.weight.device))
+            self.head.lm_head.weight.copy_(rows.float().cpu())
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        weight = getattr(norm, "weight", None)
+        if weight is not None and tuple(weight.shape) == tuple(self.head.norm.weight.shape):
+            self.head.norm.weight.copy_(weight.detach().float().cpu())
+
+    @staticmethod
+    def _check_init_fits(have: Eagle3Config, want: Eagle3Config) -> None:
+        keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
+        bad = [k for k in keys if getattr(have, k) != getattr(want, k)]
+        if bad:
+            diff = ", ".join(f"{k} {getattr(have, k)} vs {getattr(want, k)}" for k in bad)
+            raise UserError(f"the --init head does not fit this target ({diff}): train from scratch instead")
+
+    def _target_flops_per_token(self) -> float:
+        """Matmul FLOPs per token of one forward: 2 x (decoder parameters + the draft rows of lm_head)."""
+        decoder = self.model.get_decoder()
+        embed_ids = {id(p) for p in self.embedding.parameters()}
+        params = sum(p.numel() for p in decoder.parameters() if id(p) not in embed_ids)
+        params += self.head.config.target_hidden_size * self.vocab.draft_vocab_size
+        return 2.0 * params
+
+    def _head_flops(self, tokens: int, counted: torch.Tensor) -> float:
+        """Forward + backward matmul FLOPs of the head: 6 x body params x tokens x steps, plus lm_head rows."""
+        c = self.head.config
+        lm = c.hidden_size * c.draft_vocab_size
+        body = sum(p.numel() for p in self.head.parameters()) - lm
+        return 6.0 * body * tokens * self.config.ttt_steps + 6.0 * lm * float(counted.sum())
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> TrainReport:
+        from outrider.train.capture import TargetCapture
+
+        env, cfg = self.env, self.config
+        if env.is_main:
+            self._prepare_out()
+        dist.barrier(env)
+        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps), env)
+        bar = _Bar(self.progress, self.stop_at, self.step)
+        train_s, tokens_seen, flops = 0.0, 0, 0.0
+        if self.resume_state is not None:
+            _set_rng_state(self.resume_state["rng"])
+        try:
+            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids) as capture:
+                self.capture = capture
+                while self.step < self.stop_at:
+                    t0 = time.perf_counter()
+                    m, counted = self._train_step(objective)
+                    if env.device.type == "cuda":
+                        torch.cuda.synchronize(env.device)
+                    dt = time.perf_counter() - t0
+                    train_s += dt
+                    tokens_seen += m["tokens"]
+                    step_flops = self.flops_per_token_target * m["tokens"] + self._head_flops(m["tokens"], counted)
+                    flops += step_flops
+                    m["tokens_per_s"] = round(m["tokens"] / dt, 2)
+                    if self.peak:
+                        m["mfu"] = round(step_flops / (dt * self.peak * env.world_size), 5)
+                    bar.update(self.step, m, m["tokens_per_s"])
+                    if env.is_main and (self.step % cfg.log_every == 0 or self.step == self.stop_at):
+                        self._log({"type": "train", **m})
+                    if self.step % cfg.eval_every == 0 or self.step == self.stop_at:
+                        self._evaluate(bar)
+                    if self.step % cfg.save_every == 0 or self.step == self.stop_at:
+                        self._checkpoint()
+        finally:
+            bar.close()
+        if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
+            self._checkpoint_head()  # a resume of a finished run with no head/ left
+        mfu = flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
+        if self.eval_ds is None:
+            self.notes.append("the data has no eval split: the best head was chosen on training accuracy")
+        return TrainReport(
+            out=str(self.out), head_dir=str(self.head_dir), preset=self.preset, steps=self.step,
+            schedule_steps=cfg.steps, best_step=self.best_step,
+            best_sim_tau=float(self.best_score) if self.best_score > -math.inf else float("nan"), tau_k=cfg.tau_k,
+            final_eval=self.last_eval, train_tokens=tokens_seen, wall_s=time.perf_counter() - self.t_start,
+            train_s=train_s, tokens_per_s=tokens_seen / train_s if train_s > 0 else 0.0, mfu=mfu,
+            mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
+            device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
+            vocab_coverage=self.vocab.coverage(), resumed_from=self.resumed_from, rank=env.rank, notes=self.notes)
+
+    def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
+        env, cfg = self.env, self.config
+        micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
+        counted = sum(counted_per_step(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro)
+        counted = dist.all_reduce_sum(counted.clone(), env)  # [steps] over the global batch
+        scale = float(env.world_size)  # DDP averages gradients over ranks; the loss is a global mean
+        weights = [w * scale / max(int(n), 1) for w, n in zip(self.weights, counted.tolist())]
+        sums = _Sums(cfg.ttt_steps)
+        self.head.train()
+        for j, batch in enumerate(micro):
+            batch = batch.to(env.device)
+            captured = self.capture(batch.input_ids, batch.attention_mask)
+            sync = j == len(micro) - 1 or not env.distributed
+            with (contextlib.nullcontext() if sync else objective.no_sync()):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+                    out = objective(captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
+                                    batch.attention_mask, weights)
+                out.loss.backward()
+            sums.add(out, int(batch.attention_mask.sum()))
+        sums.reduce(env)
+        if not torch.equal(sums.counted, counted):
+            raise RuntimeError(f"loss positions disagree with ttt: {sums.counted.tolist()} vs {counted.tolist()}")
+        m = sums.metrics(self.weights, cfg.tau_k)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(),
+                                                   cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if not math.isfinite(m["loss"]) or not math.isfinite(float(grad_norm)):
+            what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
+            raise UserError(f"non-finite {what} at step {self.step + 1}: training stopped, the last good checkpoint "
+                            f"in {self.last_dir} is intact (lower lr, or check the target and the data)")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.window.merge(sums)
+        m.update(step=self.step, epoch=self.cursor.epoch, lr=lr, grad_norm=round(float(grad_norm), 6))
+        return m, counted
+
+    @torch.no_grad()
+    def _evaluate(self, bar: _Bar) -> None:
+        env, cfg = self.env, self.config
+        if self.eval_ds is None:
+            m = self.window.metrics(self.weights, cfg.tau_k)
+            self.window = _Sums(cfg.ttt_steps)
+            self._maybe_best(m, bar, source="train")
+            return
+        head = self.head.eval()
+        n = len(self.eval_ds) if cfg.eval_examples is None else min(cfg.eval_examples, len(self.eval_ds))
+        lengths = self.eval_ds.lengths[:n]
+        order = sorted(range(n), key=lambda i: (min(int(lengths[i]), cfg.max_length), i))  # less padding
+        g = cfg.batch_size * env.world_size
+        sums = _Sums(cfg.ttt_steps)
+        for start in range(0, n, g):
+            idx = order[start: start + g][env.rank::env.world_size]
+            if not idx:
+                continue
+            batch = _cut(self.eval_ds.collate(idx), cfg.max_length).to(env.device)
+            captured = self.capture(batch.input_ids, batch.attention_mask)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+                out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
+                               batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum")
+            sums.add(out, int(batch.attention_mask.sum()))
+        sums.reduce(env)
+        head.train()
+        self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")
+
+    def _maybe_best(self, m: dict[str, Any], bar: _Bar, source: str) -> None:
+        m = {"type": "eval", "source": source, "step": self.step, **m}
+        better = m["sim_tau_k"] > self.best_score
+        m["best"] = better
+        self.last_eval = m
+        if better:
+            self.best_score, self.best_step = m["sim_tau_k"], self.step
+            dist.barrier(self.env)
+            if self.env.is_main:
+                self._checkpoint_head()
+            dist.barrier(self.env)
+        if self.env.is_main:
+            self._log(m)
+            bar.log(f"step {self.step}: {source} loss {m['loss']:.4f}, acc0 {m['per_step_acc'][0]:.3f}, "
+                    f"simulated tau@{self.config.tau_k} {m['sim_tau_k']:.3f}" + (" (best)" if better else ""))
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def _prepare_out(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.resume_state is None:
+            atomic_write_json(self.out / "train_config.json", {
+                "config": self.config.to_dict(), "preset": self.preset, "target": self.target_name,
+                "data": self.data, "init": self.init, "world_size": self.env.world_size,
+                "global_batch": self.global_batch, "device": str(self.env.device),
+                "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
+            atomic_write_text(self.metrics_path, "")
+        else:
+            self._cut_metrics(self.step)
+
+    def _cut_metrics(self, step: int) -> None:
+        """Keep the complete metric lines up to the checkpoint's step (a killed run may have logged past it)."""
+        kept = []
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
+                    kept.append(line)
+        atomic_write_text(self.metrics_path, "".join(k + "\n" for k in kept))
+
+    def _log(self, record: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def _head_extra(self) -> dict[str, Any]:
+        best = self.best_score if self.best_score > -math.inf else None
+        return {"head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary(),
+                "training": {"step": self.step, "best_step": self.best_step, "sim_tau_k": best,
+                             "tau_k": self.config.tau_k, "data": self.data, "preset": self.preset}}
+
+    def _save_head(self, directory: Path) -> None:
+        from outrider.export import save_head
+
+        save_head(self.head, directory, target=self.target_name, extra=self._head_extra())
+
+    def _checkpoint_head(self) -> None:
+        self._save_head(self.head_dir)
+
+    def _checkpoint(self) -> None:
+        dist.barrier(self.env)
+        if self.env.is_main:
+            state = {
+                "format": STATE_FORMAT, "version": STATE_VERSION, "step": self.step,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(), "position": self.cursor.state(), "config": self.config.to_dict(),
+                "preset": self.preset, "best_step": self.best_step, "best_score": self.best_score,
+                "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
+                "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(),
+                "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
+                           "tokens": self.window.tokens},
+            }
+            with atomic_dir(self.last_dir) as tmp:
+                self._save_head(tmp / "head")
+                self.vocab.save(tmp)
+                torch.save(state, tmp / "trainer_state.pt")
+                readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
+                                                  "target", "data", "vocab_fingerprint")}
+                readable["best_sim_tau_k"] = self._head_extra()["training"]["sim_tau_k"]
+                (tmp / "trainer_state.json").write_text(json.dumps(readable, indent=2) + "\n")
+        dist.barrier(self.env)

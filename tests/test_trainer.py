@@ -1,0 +1,247 @@
+"""Trainer: output layout, exact resume (stopped and killed), fine-tuning, config files, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from outrider.cli import main as cli_main
+from outrider.config import PRESETS, TrainConfig
+from outrider.errors import UserError
+from outrider.train.data import build_dataset, load_dataset
+from outrider.export import load_head
+from outrider.train.trainer import lr_factor, tau_at, train
+from outrider.train.vocab import DraftVocab, build_draft_vocab
+from tiny import make_tiny, save_tiny, tiny_tokenizer
+
+CFG = TrainConfig(steps=12, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
+                  draft_vocab_size=40, eval_every=4, save_every=3, eval_examples=6, log_every=1,
+                  aux_layer_ids=(1, 2, 3))
+
+
+def _conversations(path: Path, n: int, seed: int, lo: int, hi: int) -> Path:
+    """ShareGPT records over the tiny vocabulary; replies are arithmetic runs of word ids in [lo, hi)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        turns = []
+        for _ in range(2):
+            turns.append({"from": "human", "value": " ".join(f"w{rng.randrange(5, 90)}" for _ in range(rng.randrange(3, 8)))})
+            start, step = rng.randrange(hi - lo), rng.choice([1, 2, 3])
+            turns.append({"from": "gpt", "value": " ".join(f"w{lo + (start + step * k) % (hi - lo)}"
+                                                          for k in range(rng.randrange(6, 16)))})
+        records.append({"id": f"c{i}", "conversations": turns})
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    target = save_tiny("llama", root / "tiny")
+    data = root / "data"
+    build_dataset(str(target), str(_conversations(root / "a.json", 36, 0, 5, 60)), str(data), eval_fraction=0.2,
+                  progress=False)
+    other = root / "other"  # another token distribution: another draft vocabulary
+    build_dataset(str(target), str(_conversations(root / "b.json", 36, 1, 50, 93)), str(other), eval_fraction=0.2,
+                  progress=False)
+    return {"root": root, "target": str(target), "data": str(data), "other": str(other)}
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _train_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def straight(env):
+    """One uninterrupted run of CFG, the reference for the resume tests."""
+    out = env["root"] / "straight"
+    report = train(env["target"], env["data"], str(out), config=CFG, progress=False)
+    return out, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def test_config_round_trip_presets_and_errors(tmp_path):
+    for name, preset in PRESETS.items():
+        assert TrainConfig.preset(name) == preset
+        assert TrainConfig.from_dict(json.loads(preset.to_json())) == preset
+    path = CFG.save(tmp_path / "c.json")
+    assert TrainConfig.load(path) == CFG
+    assert CFG.to_dict()["aux_layer_ids"] == [1, 2, 3]
+    with pytest.raises(UserError, match="unknown training setting.*learning_rate"):
+        TrainConfig.from_dict({"learning_rate": 1e-3})
+    with pytest.raises(UserError, match="warmup_steps"):
+        CFG.replace(warmup_steps=CFG.steps + 1)
+    with pytest.raises(UserError, match="unknown training preset"):
+        TrainConfig.preset("medium")
+    # warmup then cosine down to min_lr_ratio
+    c = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    assert [round(lr_factor(s, c), 4) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
+    assert tau_at([0.5, 0.5, 0.5], 2) == 1.75
+
+
+# ---------------------------------------------------------------------------------------------
+# A run and what it writes
+
+
+def test_run_writes_servable_head_state_and_metrics(env, straight):
+    out, report = straight
+    assert report.steps == 12 and report.global_batch == 4 and report.world_size == 1
+    assert sorted(p.name for p in out.iterdir()) == ["head", "last", "metrics.jsonl", "train_config.json"]
+    # the draft vocabulary is the top-40 of the training split's loss-masked tokens
+    ds = load_dataset(env["data"])
+    want = build_draft_vocab(zip(ds.input_ids, ds.loss_mask), 96, 40)
+    assert DraftVocab.load(out / "last").fingerprint() == want.fingerprint()
+    for folder in (out / "head", out / "last" / "head"):
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert cfg["outrider"]["draft_vocab"]["fingerprint"] == want.fingerprint()
+        head, _ = load_head(folder)
+        assert torch.equal(head.map_to_target(torch.arange(40)), want.draft_ids)
+        assert set(_tensors(folder)) == set(head.state_dict())
+    # the best head is the eval's best by simulated tau, saved at that step
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8, 12]
+    best = max(evals, key=lambda r: r["sim_tau_k"])
+    assert report.best_step == best["step"] and report.best_sim_tau == pytest.approx(best["sim_tau_k"])
+    assert json.loads((out / "head" / "config.json").read_text())["outrider"]["training"]["step"] == best["step"]
+    train_recs = _train_records(out)
+    assert [r["step"] for r in train_recs] == list(range(1, 13))
+    assert all(len(r["per_step_acc"]) == 3 and r["tokens_per_s"] > 0 for r in train_recs)
+    # learning happens: the mean loss of the last 4 steps is below that of the first 4
+    assert sum(r["loss"] for r in train_recs[-4:]) < sum(r["loss"] for r in train_recs[:4])
+    state = json.loads((out / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["position"]["seed"] == CFG.seed
+    assert json.loads((out / "train_config.json").read_text())["config"] == CFG.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume
+
+
+def test_stop_then_resume_is_bit_identical(env, straight):
+    ref, _ = straight
+    out = env["root"] / "stopped"
+    first = train(env["target"], env["data"], str(out), config=CFG, max_steps=5, progress=False)
+    assert first.steps == 5 and json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 5
+    second = train(env["target"], env["data"], str(out), resume=True, progress=False)
+    assert second.resumed_from == 5 and second.steps == 12
+    a, b = _tensors(ref / "last" / "head"), _tensors(out / "last" / "head")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in _train_records(ref)] == [r["loss"] for r in _train_records(out)]
+    sa = torch.load(ref / "last" / "trainer_state.pt", weights_only=False)
+    sb = torch.load(out / "last" / "trainer_state.pt", weights_only=False)
+    for k, st in sa["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][k]["exp_avg_sq"])
+    assert sa["position"] == sb["position"] and sa["scheduler"] == sb["scheduler"]
+
+
+def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
+    ref, _ = straight
+    out = tmp_path / "killed"
+    cfg_path = CFG.replace(save_every=1).save(tmp_path / "cfg.json")
+    code = ("import sys; from outrider.train.trainer import train; "
+            "train(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, env["target"], env["data"], str(out), str(cfg_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = out / "last" / "trainer_state.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if state.exists() and json.loads(state.read_text())["step"] >= 2:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = json.loads(state.read_text())["step"]
+    assert 2 <= killed_at < 12
+    report = train(env["target"], env["data"], str(out), resume=True, progress=False)
+    assert report.resumed_from == killed_at and report.steps == 12
+    a, b = _tensors(ref / "last" / "head"), _tensors(out / "last" / "head")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in _train_records(out)] == list(range(1, 13))  # lines past the checkpoint were cut
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning and bad input: one line, nothing already written is lost
+
+
+def test_init_fine_tunes_and_refuses_another_vocabulary(env, straight, tmp_path):
+    ref, _ = straight
+    report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
+                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    assert report.steps == 2
+    first = _train_records(tmp_path / "ft")[0]
+    assert first["loss"] < _train_records(ref)[0]["loss"]  # it started from the trained head
+    with pytest.raises(UserError, match="draft vocabulary differs"):
+        train(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"), config=CFG, progress=False)
+    assert not (tmp_path / "ft2" / "last").exists()
+
+
+def test_resume_refusals_keep_the_checkpoint(env, straight, tmp_path):
+    ref, _ = straight
+    before = {d: _digest(ref / d) for d in ("head", "last")}
+    with pytest.raises(UserError, match="draft vocabulary differs"):
+        train(env["target"], env["other"], str(ref), resume=True, progress=False)
+    with pytest.raises(UserError, match="already holds a training run"):
+        train(env["target"], env["data"], str(ref), config=CFG, progress=False)
+    with pytest.raises(UserError, match="nothing to resume"):
+        train(env["target"], env["data"], str(tmp_path / "empty"), resume=True, progress=False)
+    assert {d: _digest(ref / d) for d in ("head", "last")} == before
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path):
+    out = tmp_path / "nan"
+    train(env["target"], env["data"], str(out), config=CFG, max_steps=3, progress=False)
+    before = {d: _digest(out / d) for d in ("head", "last")}
+    broken = make_tiny("llama")
+    with torch.no_grad():
+        broken.lm_head.weight[5] = float("nan")  # a corrupted target: its teacher turns NaN
+    with pytest.raises(UserError, match="non-finite loss at step 4.*intact"):
+        train(env["target"], env["data"], str(out), resume=True, progress=False,
+              loaded_target=(broken, tiny_tokenizer()))
+    assert {d: _digest(out / d) for d in ("head", "last")} == before
+
+
+def test_empty_and_too_small_datasets_are_one_line_errors(env, tmp_path, capsys):
+    empty = tmp_path / "empty_data"
+    empty.mkdir()
+    manifest = json.loads((Path(env["data"]) / "manifest.json").read_text())
+    manifest["splits"] = {s: {"examples": 0, "tokens": 0, "loss_tokens": 0, "shards": []} for s in ("train", "eval")}
+    (empty / "manifest.json").write_text(json.dumps(manifest))
+    cfg = CFG.save(tmp_path / "cfg.json")
+    rc = cli_main(["train", env["target"], "--data", str(empty), "--out", str(tmp_path / "o"), "--config", str(cfg),
+                   "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "no train examples" in err
+    with pytest.raises(UserError, match="fewer than one batch"):
+        train(env["target"], env["data"], str(tmp_path / "o2"), config=CFG.replace(batch_size=64), progress=False)
+    with pytest.raises(UserError, match="not an outrider token dataset"):
+        train(env["target"], str(tmp_path), str(tmp_path / "o3"), config=CFG, progress=False)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
