@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ METHODS = ("ar", "ngram", "draft", "eagle3")
 
 
 def git_commit() -> str:
+    """The checkout's short commit (``OUTRIDER_COMMIT`` where the tree travels without .git)."""
+    if os.environ.get("OUTRIDER_COMMIT"):
+        return os.environ["OUTRIDER_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=5)

@@ -87,6 +87,32 @@ def check_pair(target: torch.nn.Module, draft: torch.nn.Module, target_tok=None,
                 "use a draft trained with the target's tokenizer")
 
 
+class _Marks:
+    """Per-phase wall time without a host synchronisation per step (CUDA events on GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append((name, ev))
+        else:
+            self.events.append((name, time.perf_counter()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds spent from each mark to the next, summed by the first mark's name."""
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (name, a), (_, b) in zip(self.events, self.events[1:]):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[name] = out.get(name, 0.0) + dt
+        return out
+
+
 class SpecEngine:
     """Decode a batch of prompts with an optional proposer.
 
@@ -167,18 +193,22 @@ class SpecEngine:
             rows = torch.arange(B, device=dev)
             last = self._first_token(logits[rows, which], rand)  # [batch]
             histories = [list(map(int, p)) for p in prompts]
-            active = torch.ones(B, dtype=torch.bool, device=dev)
+            alive = [True] * B
             for b, t in enumerate(last.tolist()):
-                self._emit(b, [t], result, histories, active, max_new_tokens)
+                self._emit(b, [t], result, histories, alive, max_new_tokens)
             result.prefill_s = self._clock() - t0
             if self.proposer is not None:
                 self.proposer.start(StartContext(
                     histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
                     max_len=max_len, target_aux=target.aux, device=dev))
             t_dec = time.perf_counter()
-            while bool(active.any()):
-                last = self._step(target, last, active, rand, result, histories, max_new_tokens)
+            marks = _Marks(dev)
+            while any(alive):
+                last = self._step(target, last, alive, rand, result, histories, max_new_tokens, marks)
+            marks.mark("end")
             result.decode_s = self._clock() - t_dec
+            spans = marks.totals()
+            result.propose_s, result.verify_s = spans.get("propose", 0.0), spans.get("verify", 0.0)
         finally:
             if not self.graphs:
                 target.close()
@@ -186,16 +216,17 @@ class SpecEngine:
                 self.proposer.close()
         return result
 
-    def _step(self, target: CachedLM, last: torch.Tensor, active: torch.Tensor, rand: RowRandom,
-              result: GenerationResult, histories: list[list[int]], max_new: int) -> torch.Tensor:
+    def _step(self, target: CachedLM, last: torch.Tensor, alive: list[bool], rand: RowRandom,
+              result: GenerationResult, histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
         B, dev = last.shape[0], last.device
-        t0 = self._clock()
+        active = torch.tensor(alive, device=dev)
+        marks.mark("propose")
         if self.proposer is not None:
             draft = self.proposer.propose(self.k)
             draft.num = torch.where(active, draft.num, torch.zeros_like(draft.num))
         else:
             draft = Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
-        t1 = self._clock()
+        marks.mark("verify")
         inputs = torch.cat([last[:, None], draft.tokens], dim=1)  # [batch, k+1]
         logits = target.forward(inputs)  # [batch, k+1, vocab]
         kk = draft.tokens.shape[1]
@@ -205,33 +236,32 @@ class SpecEngine:
             u = rand.uniform(kk + 1, dev)
             res = verify_sampling(draft.tokens, draft.num, draft.q, probs(logits, self.sampling), u[:, :kk], u[:, kk])
         n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))
+        # the one host synchronisation of the step: accepted counts, output tokens, draft sizes
+        host = torch.cat([n_acc[:, None], draft.num[:, None], res.tokens], dim=1).tolist()
+        n_list = [row[0] for row in host]
         keep = (torch.arange(kk + 1, device=dev)[None, :] <= n_acc[:, None]) & active[:, None]
-        target.commit(keep)
-        was_active = active.clone()
-        n_list, tok_list = n_acc.tolist(), res.tokens.tolist()
+        target.commit(keep, used=max((n + 1 for n, a in zip(n_list, alive) if a), default=0))
         for b in range(B):
-            if not bool(was_active[b]):
+            if not alive[b]:
                 continue
+            n, num, toks = host[b][0], host[b][1], host[b][2:]
             result.row_steps += 1
-            self._emit(b, tok_list[b][:n_list[b] + 1], result, histories, active, max_new)
-        for i, (prop, acc) in enumerate(zip((draft.num[was_active, None] > torch.arange(kk, device=dev)).sum(0).tolist(),
-                                            (n_acc[was_active, None] > torch.arange(kk, device=dev)).sum(0).tolist())):
-            result.proposed[i] += prop
-            result.accepted[i] += acc
+            for i in range(kk):
+                result.proposed[i] += int(num > i)
+                result.accepted[i] += int(n > i)
+            self._emit(b, toks[:n + 1], result, histories, alive, max_new)
         result.steps += 1
-        t2 = self._clock()
-        result.propose_s += t1 - t0
-        result.verify_s += t2 - t1
+        marks.mark("observe")
         if self.proposer is not None:
-            self.proposer.observe(Outcome(draft, n_acc, res.tokens, active, target.aux))
+            self.proposer.observe(Outcome(draft, n_acc, res.tokens, torch.tensor(alive, device=dev), target.aux))
         return res.tokens[torch.arange(B, device=dev), n_acc]
 
     def _emit(self, b: int, toks: list[int], result: GenerationResult, histories: list[list[int]],
-              active: torch.Tensor, max_new: int) -> None:
+              alive: list[bool], max_new: int) -> None:
         out = result.tokens[b]
         for t in toks:
             out.append(t)
             histories[b].append(t)
             if t in self.eos or len(out) >= max_new:
-                active[b] = False
+                alive[b] = False
                 return

@@ -135,19 +135,21 @@ class SlotCache(Cache):
         self.ptr = 0
         self.n_pending = 0
 
-    def commit(self, keep: torch.Tensor) -> None:
+    def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
         """Keep, per row, the new tokens where ``keep`` [batch, n] is True.
 
         Kept tokens become visible to later forwards and advance the row's length. Slots after
-        the last token kept by any row are released for the next forward.
+        the last token kept by any row are released for the next forward; a caller that knows
+        that count (``used``: 1 + the last kept index over all rows) spares a host sync.
         """
         n = self.n_pending
         assert keep.shape == (self.rows, n), (keep.shape, n)
         p = self.ptr
         self.valid[:, p:p + n] = keep
         self.lengths += keep.sum(dim=1)
-        cols = keep.any(dim=0).nonzero()
-        used = int(cols.max()) + 1 if cols.numel() else 0
+        if used is None:
+            cols = keep.any(dim=0).nonzero()
+            used = int(cols.max()) + 1 if cols.numel() else 0
         self.ptr = p + used
         self.n_pending = 0
 
@@ -276,8 +278,8 @@ class CachedLM:
             s_aux = self.capture.concat() if self.capture is not None else None
         return graph, s_ids, s_pos, s_mask, out.logits, s_aux
 
-    def commit(self, keep: torch.Tensor) -> None:
-        self.cache.commit(keep)
+    def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
+        self.cache.commit(keep, used)
 
     def rollback(self, num: torch.Tensor) -> None:
         self.cache.rollback(num)
