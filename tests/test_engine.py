@@ -45,7 +45,7 @@ def test_greedy_equals_transformers(tiny_kind, tiny_models, refs, method, batch)
     model = tiny_models(tiny_kind)
     proposer = {"ar": None, "ngram": NgramProposer(1, 3),
                 "draft_self": DraftModelProposer(model),
-                "draft_other": DraftModelProposer(tiny_models(tiny_kind, 7))}[method]
+                "draft_other": DraftModelProposer(tiny_models("llama", 7))}[method]
     engine = SpecEngine(model, proposer, k=3)
     prompts, expected = _prompts(), refs(tiny_kind)
     got = []
