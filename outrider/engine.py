@@ -121,7 +121,7 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "used", graphs: bool = False):
+                 read_len: str = "auto", graphs: bool = False):
         if proposer is not None:
             require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
         self.target = target

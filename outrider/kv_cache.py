@@ -12,8 +12,10 @@ Contract:
   additive 4-D attention mask (committed slots of the row + causal or tree structure among the
   new tokens), passes explicit position ids, and returns logits (and aux hidden states when
   asked). ``commit(keep)`` then marks which of those ``n`` tokens each row keeps.
-- ``read_len="used"`` (default) hands attention only the slots written so far (cheap in eager
-  mode); ``read_len="max"`` always hands the whole buffer, giving fixed shapes for CUDA graphs.
+- ``read_len="used"`` hands attention only the slots written so far (cheap on the CPU);
+  ``read_len="max"`` always hands the whole buffer, giving fixed shapes for CUDA graphs and
+  sparing attention backends a new plan for every length. ``"auto"`` (default) picks ``max``
+  on CUDA and ``used`` elsewhere.
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
@@ -79,9 +81,11 @@ class SlotCache(Cache):
     """Slot-addressed cache shared by all layers of one model for one batch of requests."""
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device | str,
-                 read_len: str = "used"):
-        if read_len not in ("used", "max"):
+                 read_len: str = "auto"):
+        if read_len not in ("used", "max", "auto"):
             raise ValueError(read_len)
+        if read_len == "auto":  # fixed attention shapes on CUDA: no kernel re-planning per length
+            read_len = "max" if torch.device(device).type == "cuda" else "used"
         self.rows = batch_size
         self.max_len = max_len
         self.static = read_len == "max"
@@ -196,7 +200,7 @@ class CachedLM:
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
-                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "used", graphs: bool = False):
+                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
