@@ -26,21 +26,12 @@ def _umask_mode(path: str | os.PathLike, base: int = 0o666) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        _umask_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
