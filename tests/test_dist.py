@@ -57,7 +57,7 @@ def test_gloo_two_processes_match_one_process(tmp_path):
     a = load_file(str(tmp_path / "one" / "last" / "head" / "model.safetensors"))
     b = load_file(str(tmp_path / "two" / "last" / "head" / "model.safetensors"))
     for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=5e-5), k
     rec = {}
     for run in ("one", "two"):
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()

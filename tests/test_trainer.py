@@ -37,7 +37,8 @@ def _conversations(path: Path, n: int, seed: int, lo: int, hi: int) -> Path:
     for i in range(n):
         turns = []
         for _ in range(2):
-            turns.append({"from": "human", "value": " ".join(f"w{rng.randrange(5, 90)}" for _ in range(rng.randrange(3, 8)))})
+            words = " ".join(f"w{rng.randrange(5, 90)}" for _ in range(rng.randrange(3, 8)))
+            turns.append({"from": "human", "value": words})
             start, step = rng.randrange(hi - lo), rng.choice([1, 2, 3])
             turns.append({"from": "gpt", "value": " ".join(f"w{lo + (start + step * k) % (hi - lo)}"
                                                           for k in range(rng.randrange(6, 16)))})
@@ -113,7 +114,8 @@ def test_run_writes_servable_head_state_and_metrics(env, straight):
     assert sorted(p.name for p in out.iterdir()) == ["head", "last", "metrics.jsonl", "train_config.json"]
     # the draft vocabulary is the top-40 of the training split's loss-masked tokens
     ds = load_dataset(env["data"])
-    want = build_draft_vocab(zip(ds.input_ids, ds.loss_mask), 96, 40)
+    pairs = ((ids.astype("int64"), mask.astype("int64")) for ids, mask in zip(ds.input_ids, ds.loss_mask))
+    want = build_draft_vocab(pairs, 96, 40)
     assert DraftVocab.load(out / "last").fingerprint() == want.fingerprint()
     for folder in (out / "head", out / "last" / "head"):
         cfg = json.loads((folder / "config.json").read_text())
