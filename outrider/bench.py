@@ -156,6 +156,10 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
         "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
         "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
         "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
+        # the whole decode step, and all of it that is not the target's verify span (drafting,
+        # feeding the outcome back): what a speculative step costs beyond its target forward
+        "step_ms": 1e3 * sum(r.decode_s for r in results) / max(steps, 1),
+        "draft_step_ms": 1e3 * sum(r.decode_s - r.verify_s for r in results) / max(steps, 1),
         "prefill_s": sum(r.prefill_s for r in results),
     }
 
@@ -164,8 +168,14 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
-          loaded: tuple | None = None, graphs: bool | None = None) -> dict[str, Any]:
-    """Measure ``method`` against autoregressive decoding on the same prompts; return one record."""
+          loaded: tuple | None = None, graphs: bool | None = None, compile: bool = False,
+          engines: tuple[SpecEngine, SpecEngine] | None = None) -> dict[str, Any]:
+    """Measure ``method`` against autoregressive decoding on the same prompts; return one record.
+
+    ``engines`` = (autoregressive, speculative) engines built earlier on ``loaded``'s model (a
+    benchmark sweeping k reuses their caches, CUDA graphs and compiled code; ``k`` is set on
+    the speculative one).
+    """
     from outrider.models import load_model, parse_dtype
 
     require(k >= 1, f"--k must be >= 1, got {k}")
@@ -178,10 +188,17 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     prompt_ids = load_prompts(tokenizer, prompts, num_prompts)
     sampling = SamplingParams(temperature=temperature, seed=seed)
     eos = eos_token_ids(model, tokenizer)
-    proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype)
     graphs = dev.type == "cuda" if graphs is None else graphs
-    ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs)
-    spec = SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs) if proposer else ar
+    if engines is not None:
+        ar, spec = engines
+        spec.k = k if spec.proposer is not None else 0
+        proposer = spec.proposer
+        graphs = spec.graphs
+    else:
+        proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype)
+        ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
+        spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
+                if proposer else ar)
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         engine.generate(prompt_ids[:1], min(8, max_new_tokens))
     ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
@@ -208,12 +225,15 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "speedup_vs_ar": (sp_tokens / sp_s) / (ar_tokens / ar_s),
         "lossless": (agree == len(ar_out)) if sampling.greedy else None,
         "greedy_agreement": agree / len(ar_out) if sampling.greedy else None,
-        "ar_step_ms": ar_m["verify_step_ms"],
+        "ar_step_ms": ar_m["step_ms"],
         "verify_step_ms": m["verify_step_ms"],
         "propose_step_ms": m["propose_step_ms"],
+        "draft_step_ms": m["draft_step_ms"],
+        "step_ms": m["step_ms"],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(torch_dtype).replace("torch.", ""),
         "cuda_graphs": bool(graphs),
+        "compiled": bool(spec.compile),
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),

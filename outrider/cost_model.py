@@ -130,6 +130,8 @@ class HardwareProfile:
     ``step_overhead_s`` is paid once per target forward (scheduling, sampling, graph launch);
     ``layer_overhead_s`` once per decoder layer (+1 for embeddings/lm_head) of every forward,
     draft forwards included: the floor of small kernels that bandwidth alone does not explain.
+    ``token_overhead_s`` is paid per new token of a target forward (n * b): host-side and
+    elementwise work that grows with the tokens a step verifies (masks, sampling, acceptance).
     """
 
     name: str
@@ -149,6 +151,7 @@ class HardwareProfile:
     link_efficiency: float = 0.8
     step_overhead_s: float = 100e-6
     layer_overhead_s: float = 20e-6
+    token_overhead_s: float = 0.0
     collectives_per_layer: float = 2.0
     notes: str = ""
 
@@ -199,7 +202,7 @@ def profile_from_dict(data: Any, origin: str = "hardware profile") -> HardwarePr
         v = float(v)
         if f.name in _FRACTIONS and not 0 < v <= 1:
             raise UserError(f"{origin}: '{f.name}' must be in (0, 1], got {v}")
-        if f.name in ("step_overhead_s", "layer_overhead_s", "link_latency_s"):
+        if f.name in ("step_overhead_s", "layer_overhead_s", "token_overhead_s", "link_latency_s"):
             if v < 0:
                 raise UserError(f"{origin}: '{f.name}' must be >= 0, got {v}")
         elif v <= 0:
@@ -480,6 +483,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: i
         msg = m * shape.hidden_size * ACT_BYTES
         terms.append(Term("AllReduce", count * allreduce_s(msg, tp, hw), bytes=count * msg, bound="communication"))
     terms.append(Term("fixed overhead", forward_overhead_s(shape, hw, include_step_overhead), bound="overhead"))
+    if include_step_overhead and hw.token_overhead_s:
+        terms.append(Term("per-token overhead", hw.token_overhead_s * m, bound="overhead"))
     return StepCost(tuple(terms), new_tokens, batch, context)
 
 
@@ -733,6 +738,7 @@ class Calibration:
     link_latency_s: float | None = None
     collectives_per_layer: float | None = None
     draft_round_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)  # method -> k -> s
+    token_overhead_s: float = 0.0
     points: tuple[tuple[int, int, float, float], ...] = ()  # (new_tokens, batch, measured_s, fitted_s)
     source: str = ""
 
@@ -742,7 +748,8 @@ class Calibration:
 
     def apply(self, hw: HardwareProfile) -> HardwareProfile:
         changes: dict[str, Any] = dict(memory_efficiency=self.memory_efficiency, compute_efficiency=self.compute_efficiency,
-                                       step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s)
+                                       step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
+                                       token_overhead_s=self.token_overhead_s)
         if self.link_latency_s is not None:
             changes["link_latency_s"] = self.link_latency_s
         if self.collectives_per_layer is not None:
@@ -752,7 +759,7 @@ class Calibration:
     def summary(self) -> str:
         text = (f"calibrated ({self.source}): memory efficiency {self.memory_efficiency:.2f}, compute efficiency "
                 f"{self.compute_efficiency:.2f}, overhead {self.step_overhead_s * 1e3:.3f} ms/step + "
-                f"{self.layer_overhead_s * 1e6:.1f} us/layer")
+                f"{self.layer_overhead_s * 1e6:.1f} us/layer + {self.token_overhead_s * 1e6:.1f} us/token")
         if self.points:
             text += f"; worst step-time residual {self.max_relative_error:.1%} over {len(self.points)} points"
         return text
@@ -825,6 +832,24 @@ def _split_overhead(total_s: float, shape: ModelShape, hw: HardwareProfile) -> t
     return step, (total_s - step) / (shape.num_layers + 1)
 
 
+def _fit_overheads(resid: list[float], tokens: list[int], weights: list[float], per_token: bool) -> tuple[float, float]:
+    """Weighted least squares of ``resid ~ O + T * tokens`` with ``O, T >= 0`` (T = 0 unless per_token)."""
+    sw = sum(weights)
+    mean_r = sum(w * r for w, r in zip(weights, resid)) / sw
+    if not per_token:
+        return max(0.0, mean_r), 0.0
+    mean_m = sum(w * m for w, m in zip(weights, tokens)) / sw
+    var = sum(w * (m - mean_m) ** 2 for w, m in zip(weights, tokens))
+    cov = sum(w * (m - mean_m) * (r - mean_r) for w, m, r in zip(weights, tokens, resid))
+    token_s = max(0.0, cov / var)
+    overhead = mean_r - token_s * mean_m
+    if overhead < 0:  # the clipped fit: no fixed part, T alone through the origin
+        overhead = 0.0
+        token_s = max(0.0, sum(w * m * r for w, m, r in zip(weights, tokens, resid))
+                      / sum(w * m * m for w, m in zip(weights, tokens)))
+    return overhead, token_s
+
+
 def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile, tp: int = 1,
               context: int = 2048, origin: str = "bench records") -> Calibration:
     """Fit memory/compute efficiency and the fixed overhead to measured step times.
@@ -836,13 +861,15 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method.
     Measured speedups are never read.
 
-    Fit: for each (eta_mem, eta_cmp) on a log grid, the overhead O is the mean residual
-    (clipped at 0); the pair minimising the squared relative error wins, ties going to the
-    higher efficiencies. The AllReduce term keeps the profile's link latency and bandwidth
+    Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O
+    plus a per-token overhead T times the step's new tokens (weighted least squares on relative
+    error, O and T clipped at 0; T only where the points hold more than one token count); the
+    pair minimising the squared relative error wins, ties going to the higher efficiencies. The AllReduce term keeps the profile's link latency and bandwidth
     (give ``allreduce_share`` through ``calibrate_measured`` to fit it).
     """
     points, drafts = _parse_timing_records(bench_records, context, origin)
-    base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0)
+    base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
+                   token_overhead_s=0.0)
     # per point: (memory seconds at eff 1, compute seconds at eff 1) per term, and fixed seconds
     prepared = []
     for n, b, c, measured in points:
@@ -854,22 +881,25 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
                 parts.append((t.bytes / base.memory_ceiling_bytes_per_s, t.flops / base.flops_ceiling_per_s(t.compute)))
             else:
                 fixed += t.time_s
-        prepared.append((parts, fixed, measured))
+        prepared.append((parts, fixed, measured, n * b))
     grid = [10 ** (-2 + 2 * i / 60) for i in range(60, -1, -1)]  # 1.0 down to 0.01
-    best: tuple[float, float, float, float] | None = None  # loss, eta_m, eta_c, overhead
+    weights = [1.0 / (y * y) for _, _, y, _ in prepared]
+    tokens = [m for *_, m in prepared]
+    per_token = len(set(tokens)) > 1
+    best: tuple[float, float, float, float, float] | None = None  # loss, eta_m, eta_c, overhead, per token
     for eta_m in grid:
         for eta_c in grid:
-            modelled = [fixed + sum(max(tm / eta_m, tc / eta_c) for tm, tc in parts) for parts, fixed, _ in prepared]
-            weights = [1.0 / (y * y) for *_, y in prepared]
-            resid = sum(w * (y - x) for w, x, (*_, y) in zip(weights, modelled, prepared)) / sum(weights)
-            overhead = max(0.0, resid)
-            loss = sum(((x + overhead - y) / y) ** 2 for x, (*_, y) in zip(modelled, prepared))
+            modelled = [fixed + sum(max(tm / eta_m, tc / eta_c) for tm, tc in parts) for parts, fixed, _, _ in prepared]
+            resid = [y - x for x, (_, _, y, _) in zip(modelled, prepared)]
+            overhead, token_s = _fit_overheads(resid, tokens, weights, per_token)
+            loss = sum(((x + overhead + token_s * m - y) / y) ** 2
+                       for x, m, (_, _, y, _) in zip(modelled, tokens, prepared))
             if best is None or loss < best[0] * (1 - 1e-9):
-                best = (loss, eta_m, eta_c, overhead)
+                best = (loss, eta_m, eta_c, overhead, token_s)
     assert best is not None
-    _, eta_m, eta_c, overhead = best
+    _, eta_m, eta_c, overhead, token_s = best
     step_s, layer_s = _split_overhead(overhead, shape, hw)
-    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin)
+    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin, token_overhead_s=token_s)
     fitted_hw = cal.apply(hw)
     residuals = tuple((n, b, y, step_cost(shape, fitted_hw, tp, n, b, c).total_s) for n, b, c, y in points)
     return replace(cal, points=residuals)

@@ -12,10 +12,12 @@ an EOS token or at ``max_new_tokens``. A rejected token costs nothing: the slot 
 masked (``kv_cache.py``).
 
 On CUDA, ``graphs=True`` replays each target forward width (1 for plain decoding, k+1 for
-verification) as a CUDA graph over a static cache that is reused across calls.
+verification) as a CUDA graph over a static cache that is reused across calls, and lets the
+proposer capture its own steps (EAGLE-3 does). ``compile=True`` fuses the target step with
+``torch.compile`` first (on the CPU it runs compiled without graphs).
 
 Not done here: continuous batching (requests join only at prefill), trees, prompt caching
-across calls, graphs for the proposers' own steps.
+across calls.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "auto", graphs: bool = False):
+                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False):
         if proposer is not None:
             require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
         self.target = target
@@ -132,17 +134,19 @@ class SpecEngine:
         self.read_len = read_len
         self.device = next(target.parameters()).device
         self.graphs = graphs and self.device.type == "cuda"
+        self.compile = compile
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
 
     def _target_lm(self, B: int, max_len: int, aux_ids) -> CachedLM:
-        if not self.graphs:
+        if not (self.graphs or self.compile):
             return CachedLM(self.target, B, max_len, aux_layer_ids=aux_ids, read_len=self.read_len)
         key = (B, tuple(aux_ids or ()))
         lm = self._pool.get(key)
         if lm is None or lm.cache.max_len < max_len:
             if lm is not None:
                 lm.close()
-            lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=True)
+            lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=self.graphs,
+                          compile=self.compile)
             self._pool[key] = lm
         lm.reset()
         return lm
@@ -200,7 +204,7 @@ class SpecEngine:
             if self.proposer is not None:
                 self.proposer.start(StartContext(
                     histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
-                    max_len=max_len, target_aux=target.aux, device=dev))
+                    max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs))
             t_dec = time.perf_counter()
             marks = _Marks(dev)
             while any(alive):
@@ -210,7 +214,7 @@ class SpecEngine:
             spans = marks.totals()
             result.propose_s, result.verify_s = spans.get("propose", 0.0), spans.get("verify", 0.0)
         finally:
-            if not self.graphs:
+            if not (self.graphs or self.compile):
                 target.close()
             if self.proposer is not None:
                 self.proposer.close()

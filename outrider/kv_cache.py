@@ -15,7 +15,12 @@ Contract:
 - ``read_len="used"`` hands attention only the slots written so far (cheap on the CPU);
   ``read_len="max"`` always hands the whole buffer, giving fixed shapes for CUDA graphs and
   sparing attention backends a new plan for every length. ``"auto"`` (default) picks ``max``
-  on CUDA and ``used`` elsewhere.
+  on CUDA and ``used`` elsewhere. With ``max`` the first free slot also lives on the device
+  (``ptr_dev``) and the mask is built from it, so a CUDA graph can build it inside the replay.
+- ``CachedLM(graphs=True)`` replays, per width ``n``, one CUDA graph that builds positions and
+  mask and runs the model; with ``compile=True`` that body is first compiled by
+  ``torch.compile`` (kernel fusion), then captured. Outside a step the host only reserves the
+  slots (two tiny kernels) and copies the token ids.
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
@@ -93,6 +98,7 @@ class SlotCache(Cache):
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [batch, max_len]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [batch]
         self.ptr = 0  # first slot not yet written by a committed forward
+        self.ptr_dev = torch.zeros((), dtype=torch.long, device=device)  # ptr at the last begin (static mode)
         self.n_pending = 0
         self._arange = torch.arange(max_len, device=device)
         self._eye = torch.eye(64, dtype=torch.bool, device=device)  # new tokens per forward <= 64
@@ -108,7 +114,8 @@ class SlotCache(Cache):
             buf = self._slot_bufs.get(n)
             if buf is None:
                 buf = self._slot_bufs[n] = torch.arange(n, device=self.valid.device)
-            buf.copy_(self._arange[:n] + self.ptr)
+            self.ptr_dev.fill_(self.ptr)
+            torch.add(self._arange[:n], self.ptr_dev, out=buf)
             self.write_slots = buf
         else:
             self.write_slots = self._arange[:n] + self.ptr
@@ -122,12 +129,19 @@ class SlotCache(Cache):
         new_mask:    [n, n] or [batch, n, n] bool, which new tokens each new token may see
         """
         B, n = query_valid.shape
-        p = self.ptr
-        # committed slots of the row; every slot >= ptr is invalid for every row
-        allowed = self.valid[:, None, :self.read_len].expand(B, n, self.read_len).clone()  # [batch, n, read_len]
         new = new_mask.expand(B, n, n) & query_valid[:, None, :]
         eye = self._eye[:n, :n] if n <= self._eye.shape[0] else torch.eye(n, dtype=torch.bool, device=new.device)
-        allowed[:, :, p:p + n] = new | eye  # a query always sees itself
+        new = new | eye  # a query always sees itself
+        if self.static:  # slot arithmetic on the device: no host value enters (graph-capturable)
+            rel = self._arange - self.ptr_dev  # [max_len] slot index relative to the first new slot
+            inside = (rel >= 0) & (rel < n)
+            cols = new.index_select(2, rel.clamp(0, n - 1))  # [batch, n, max_len]
+            # committed slots of the row elsewhere; every slot >= ptr is invalid for every row
+            allowed = torch.where(inside, cols, self.valid[:, None, :])
+        else:
+            p = self.ptr
+            allowed = self.valid[:, None, :self.read_len].expand(B, n, self.read_len).clone()  # [batch, n, read_len]
+            allowed[:, :, p:p + n] = new
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[:, None]
@@ -200,19 +214,28 @@ class CachedLM:
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
-                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False):
+                 aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False,
+                 compile: bool | str = False):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and self.device.type == "cuda"
-        if self.graphs:
+        if self.graphs or compile:
             read_len = "max"
         self.cache = SlotCache(model.config.num_hidden_layers, batch_size, max_len, self.device, read_len)
         self.capture = AuxCapture(model, aux_layer_ids) if aux_layer_ids else None
         self.aux: torch.Tensor | None = None
         self._cache_kw = cache_kwarg(model)
-        self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, positions, mask, logits, aux)
+        self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
+        self._body = self._default_step
+        if compile:
+            import torch._dynamo
+
+            # widths 1..k+1 and a few batch sizes: automatic dynamic shapes keep this to a few compiles
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            backend = compile if isinstance(compile, str) else "inductor"  # a name: another backend (tests)
+            self._body = torch.compile(self._default_step, backend=backend, dynamic=None, fullgraph=False)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -230,57 +253,69 @@ class CachedLM:
         # logits_at: [m] sequence indices whose logits are wanted (default: all n); prefill asks
         # for the last prompt positions only, sparing a [batch, P, vocab] projection
         B, n = ids.shape
+        self.cache.begin(n)
+        plain = positions is None and query_valid is None and new_mask is None and logits_at is None
+        if plain:  # the decode / verify step: positions follow the rows' lengths, causal new tokens
+            if self.graphs:
+                return self._replay(ids)
+            logits, self.aux = self._body(ids)
+            return logits
         if positions is None:
             positions = self.cache.lengths[:, None] + torch.arange(n, device=ids.device)
         if query_valid is None:
             query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
         if new_mask is None:
             new_mask = causal_mask(n, ids.device)
-        self.cache.begin(n)
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
-        positions = positions.clamp_min(0)
-        if self.graphs and logits_at is None:
-            return self._replay(ids, positions, mask)
         extra = {self._cache_kw: self.cache}
         if logits_at is not None:
             extra["logits_to_keep"] = logits_at
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0), use_cache=True,
+                         **extra)
         if self.capture is not None:
             self.aux = self.capture.concat()
         return out.logits  # [batch, n or m, vocab]
 
-    def _replay(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the forward as a CUDA graph captured once per width n (static shapes, static slots)."""
+    def _default_step(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
+        B, n = ids.shape  # ids: [batch, n]
+        offsets = self.cache._arange[:n]
+        positions = self.cache.lengths[:, None] + offsets  # [batch, n]
+        query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
+        new_mask = offsets[:, None] >= offsets[None, :]  # [n, n] causal
+        mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self._cache_kw: self.cache})
+        aux = self.capture.concat() if self.capture is not None else None
+        return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
+
+    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""
         n = ids.shape[1]
         entry = self._graphs.get(n)
         if entry is None:
-            entry = self._capture(ids, positions, mask)
+            entry = self._capture(ids)
             self._graphs[n] = entry
-        graph, s_ids, s_pos, s_mask, s_logits, s_aux = entry
+        graph, s_ids, s_logits, s_aux = entry
         s_ids.copy_(ids)
-        s_pos.copy_(positions)
-        s_mask.copy_(mask)
         graph.replay()
         self.aux = s_aux
         return s_logits
 
-    def _capture(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> tuple:
-        s_ids, s_pos, s_mask = ids.clone(), positions.clone(), mask.clone()
-        kwargs = dict(input_ids=s_ids, attention_mask=s_mask, position_ids=s_pos, use_cache=True)
-        kwargs[self._cache_kw] = self.cache
+    def _capture(self, ids: torch.Tensor) -> tuple:
+        s_ids = ids.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up writes only into the reserved, not yet valid slots
-            for _ in range(2):
-                self.model(**kwargs)
+        with torch.cuda.stream(stream):  # warm-up (and compilation) writes only into reserved, not yet valid slots
+            for _ in range(3):
+                self._body(s_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
             self._mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._mempool):
-            out = self.model(**kwargs)
-            s_aux = self.capture.concat() if self.capture is not None else None
-        return graph, s_ids, s_pos, s_mask, out.logits, s_aux
+            logits, aux = self._body(s_ids)
+        return graph, s_ids, logits, aux
 
     def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
         self.cache.commit(keep, used)

@@ -54,6 +54,21 @@ def test_greedy_equals_transformers(tiny_kind, tiny_models, refs, method, batch)
     assert got == expected
 
 
+@pytest.mark.parametrize("method", ["ar", "ngram"])
+@pytest.mark.parametrize("variant", ["static", "compiled"])
+def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, refs, method, variant):
+    """The GPU-shaped paths on the CPU: the whole-buffer cache whose mask is built from the
+    device-side slot pointer, and the step traced by torch.compile (aot_eager: the same graph
+    capture as inductor, without code generation)."""
+    model = tiny_models(tiny_kind)
+    proposer = NgramProposer(1, 3) if method == "ngram" else None
+    options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
+    engine = SpecEngine(model, proposer, k=3, **options)
+    prompts, expected = _prompts(), refs(tiny_kind)
+    got = engine.generate(prompts[:1], MAX_NEW).tokens + engine.generate(prompts[1:], MAX_NEW).tokens
+    assert got == expected
+
+
 def test_self_draft_accepts_everything(tiny_models):
     model = tiny_models("llama")
     for k in (1, 4, 6):

@@ -34,6 +34,7 @@ class StartContext:
     max_len: int  # cache slots a proposer's own cache needs for this request batch
     target_aux: torch.Tensor | None = None  # [batch, P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    graphs: bool = False  # the engine replays CUDA graphs; a proposer may capture its own steps too
 
 
 @dataclass

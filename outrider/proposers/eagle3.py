@@ -5,12 +5,18 @@ and predicts the token at t+2 (``outrider.head``). After every verification the 
 states of the committed positions, paired with the tokens that follow them, are *pending*; the
 next ``propose`` feeds them to the head (ragged per row, right-aligned, padding masked), which
 yields the first draft token; steps 2..k feed back the head's own ``hidden_out`` and last draft
-token. Those speculative head entries are rolled back before the real features of the same
-positions arrive. Draft ids map to target ids through ``d2t``. Greedy at temperature 0;
-otherwise sampled, with ``q`` (the draft distribution scattered into the target vocabulary,
-zero outside the draft vocabulary) returned for rejection sampling.
+token. Draft ids map to target ids through ``d2t``. Greedy at temperature 0; otherwise sampled,
+with ``q`` (the draft distribution scattered into the target vocabulary, zero outside the draft
+vocabulary) returned for rejection sampling.
 
-Not done here: tree drafting (EAGLE-2 dynamic trees), CUDA graphs.
+The head's cache (``HeadCache``) is addressed by position: slot s of a row holds the entry of
+position s, and a query at position p sees slots <= p. Entries of real positions are
+committed (``lengths``); speculative entries of the chain sit past them and are overwritten by
+the real features of the same positions, so a rejection needs no rollback and no host value
+changes from step to step. On CUDA with ``graphs=True`` and greedy drafting, one ``propose``
+(the pending step, k-1 chain steps, k draws) replays as one CUDA graph per (batch, k).
+
+Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled drafting.
 """
 
 from __future__ import annotations
@@ -19,9 +25,43 @@ from pathlib import Path
 
 import torch
 
-from outrider.kv_cache import SlotCache
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, probs, sample
+
+
+class HeadCache:
+    """Keys/values of the head's single layer, ``[batch, kv_heads, max_len + 1, head_dim]``.
+
+    Slot ``s`` holds position ``s``; slot ``max_len`` is scratch for padding entries. ``write``
+    sets where the next ``update`` scatters (``[batch, n]`` slots).
+    """
+
+    def __init__(self, batch: int, max_len: int, device: torch.device):
+        self.max_len = max_len
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
+        self.slots = torch.arange(max_len + 1, device=device)  # [max_len + 1]
+        self.write: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [batch, kv_heads, n, head_dim]
+        if self.keys is None:
+            B, h, _, d = k.shape
+            self.keys = k.new_zeros(B, h, self.max_len + 1, d)
+            self.values = v.new_zeros(B, h, self.max_len + 1, d)
+        idx = self.write[:, None, :, None].expand_as(k)
+        self.keys.scatter_(2, idx, k)
+        self.values.scatter_(2, idx, v)
+        return self.keys, self.values
+
+    def mask(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Boolean mask ``[batch, 1, n, max_len + 1]``: a real query at p sees slots <= p."""
+        # positions, valid: [batch, n]
+        sees = self.slots[None, None, :] <= positions[:, :, None]
+        sees &= self.slots[None, None, :] < self.max_len
+        scratch = (self.slots == self.max_len)[None, None, :] & ~valid[:, :, None]  # padding sees scratch only
+        return torch.where(valid[:, :, None], sees, scratch)[:, None]
 
 
 class Eagle3Proposer(Proposer):
@@ -46,7 +86,14 @@ class Eagle3Proposer(Proposer):
         super().start(ctx)
         B = len(ctx.histories)
         self.dev = ctx.device
-        self.cache = SlotCache(1, B, ctx.max_len, self.dev)
+        self.use_graphs = ctx.graphs and self.dev.type == "cuda" and ctx.sampling.greedy
+        old = getattr(self, "cache", None)
+        if self.use_graphs and old is not None and old.lengths.shape[0] == B and old.max_len >= ctx.max_len:
+            old.lengths.zero_()  # reused with its graphs: stale entries sit past the lengths, masked
+        else:  # graph mode sizes the cache in steps of 512 so that later requests can reuse it
+            size = -(-ctx.max_len // 512) * 512 if self.use_graphs else ctx.max_len
+            self.cache = HeadCache(B, size, self.dev)
+            self._graphs: dict[tuple[int, int, int], tuple] = {}
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
@@ -61,7 +108,6 @@ class Eagle3Proposer(Proposer):
         idx = (torch.arange(P, device=self.dev)[None, :] - shift[:, None]) % P
         self.pending = (ctx.target_aux.gather(1, idx[..., None].expand(-1, -1, ctx.target_aux.shape[-1])),
                         nxt.gather(1, idx), valid.gather(1, idx))
-        self.spec_entries = 0
 
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # logits: [batch, draft_vocab] -> target ids [batch], q over the target vocab or None
@@ -73,38 +119,76 @@ class Eagle3Proposer(Proposer):
         q[:, self.head.map_to_target(torch.arange(qd.shape[1], device=qd.device))] = qd
         return self.head.map_to_target(d), q
 
-    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Feed n positions per row (right-aligned); returns hidden_out [batch, n, H]."""
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor, ahead: int) -> torch.Tensor:
+        """Feed n positions per row (right-aligned); returns hidden_out [batch, n, H].
+
+        ahead = 0: real pairs, committed (the row's next positions); ahead = j >= 1: the j-th
+        speculative chain entry, at the position j - 1 past the committed ones, not committed.
+        """
         # tokens: [batch, n] next-token ids; hidden: [batch, n, H]; valid: [batch, n]
-        n = tokens.shape[1]
-        positions = self.cache.lengths[:, None] + valid.long().cumsum(1) - 1
-        self.cache.begin(n)
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.dev).tril()
-        mask = self.cache.attention_mask(valid, causal, hidden.dtype)
+        positions = self.cache.lengths[:, None] + valid.long().cumsum(1) - 1 + max(ahead - 1, 0)  # [batch, n]
+        self.cache.write = torch.where(valid, positions, self.cache.max_len)
+        mask = self.cache.mask(positions, valid)
         out = self.head.forward_hidden(self.embedding(tokens), hidden, positions.clamp_min(0), mask, self.cache)
-        self.cache.commit(valid)
+        if ahead == 0:
+            self.cache.lengths += valid.sum(1)
         return out
 
-    @torch.no_grad()
-    def propose(self, k: int) -> Draft:
-        aux, nxt, valid = self.pending
+    def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int):
+        """The pending step then k draws: (tokens [batch, k], q [batch, k, vocab] or None)."""
+        h = self._step(nxt, self.head.fuse(aux.to(self.head.fc.weight.dtype)), valid, 0)[:, -1:]  # [batch, 1, H]
         B = nxt.shape[0]
-        h = self._step(nxt, self.head.fuse(aux.to(self.head.fc.weight.dtype)), valid)[:, -1:]  # [batch, 1, H]
         tokens, qs = [], []
-        ones = torch.ones(B, 1, dtype=torch.bool, device=self.dev)
+        ones = torch.ones(B, 1, dtype=torch.bool, device=nxt.device)
         for i in range(k):
             tok, q = self._draw(self.head.compute_logits(h[:, -1]))
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
-                h = self._step(tok[:, None], h, ones)
-        self.spec_entries = k - 1
-        q_all = None if qs[0] is None else torch.stack(qs, dim=1)  # [batch, k, vocab]
-        return Draft(torch.stack(tokens, dim=1), torch.full((B,), k, device=self.dev), q_all)
+                h = self._step(tok[:, None], h, ones, i + 1)
+        return torch.stack(tokens, dim=1), None if qs[0] is None else torch.stack(qs, dim=1)
+
+    def _replay(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+        """``_chain`` as a CUDA graph captured once per (batch, width, k); greedy only."""
+        key = (nxt.shape[0], nxt.shape[1], k)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(aux, nxt, valid, k)
+            self._graphs[key] = entry
+        graph, s_aux, s_nxt, s_valid, s_tokens = entry
+        s_aux.copy_(aux)
+        s_nxt.copy_(nxt)
+        s_valid.copy_(valid)
+        graph.replay()
+        return s_tokens
+
+    def _capture(self, aux, nxt, valid, k):
+        s_aux, s_nxt, s_valid = aux.clone(), nxt.clone(), valid.clone()
+        saved = self.cache.lengths.clone()
+        stream = torch.cuda.Stream(self.dev)
+        stream.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(stream):  # warm-up: writes land past the committed entries, lengths restored
+            for _ in range(2):
+                self._chain(s_aux, s_nxt, s_valid, k)
+                self.cache.lengths.copy_(saved)
+        torch.cuda.current_stream(self.dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            s_tokens, _ = self._chain(s_aux, s_nxt, s_valid, k)
+        self.cache.lengths.copy_(saved)  # capture recorded the kernels without running them
+        return graph, s_aux, s_nxt, s_valid, s_tokens
+
+    @torch.no_grad()
+    def propose(self, k: int) -> Draft:
+        aux, nxt, valid = self.pending
+        B = nxt.shape[0]
+        if self.use_graphs and nxt.shape[1] == k + 1:  # after the first step every pending block is k+1 wide
+            tokens, q = self._replay(aux, nxt, valid, k), None
+        else:
+            tokens, q = self._chain(aux, nxt, valid, k)
+        return Draft(tokens, torch.full((B,), k, device=self.dev), q)
 
     def observe(self, outcome: Outcome) -> None:
-        B = outcome.tokens.shape[0]
-        self.cache.rollback(torch.full((B,), self.spec_entries, device=self.dev))
         n_new = outcome.num_accepted + 1  # [batch] committed target positions this step
         n = outcome.tokens.shape[1]
         # right-align: row b's pairs are its first n_new[b] verify positions

@@ -647,6 +647,10 @@ class _Trainer:
                     if self.peak:
                         m["mfu"] = round(step_flops / (dt * self.peak * env.world_size), 5)
                     bar.update(self.step, m, m["tokens_per_s"])
+                    if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(train_s):
+                        self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
+                                          f"step {self.step} of {cfg.steps}")
+                        self.stop_at = self.step
                     if env.is_main and (self.step % cfg.log_every == 0 or self.step == self.stop_at):
                         self._log({"type": "train", **m})
                     if self.step % cfg.eval_every == 0 or self.step == self.stop_at:
@@ -669,6 +673,11 @@ class _Trainer:
             mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
             device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
             vocab_coverage=self.vocab.coverage(), resumed_from=self.resumed_from, rank=env.rank, notes=self.notes)
+
+    def _over_budget(self, train_s: float) -> bool:
+        """Has any rank trained for ``time_budget_s``? (every rank takes the same decision)"""
+        flag = torch.tensor([float(train_s >= self.config.time_budget_s)], device=self.env.device)
+        return float(dist.all_reduce_sum(flag, self.env)[0]) > 0
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
         env, cfg = self.env, self.config

@@ -1,0 +1,230 @@
+"""One GPU session on the default model, in two device calls that share /tmp.
+
+    python benchmarks/gpu_session.py speed --out $OUT [--data-out /tmp/run/data --dataset F]
+        decoding speed at batch 1: transformers ``generate`` (dynamic cache), transformers with
+        its own static cache and automatic compilation, our engine with CUDA graphs (eager
+        kernels) and with CUDA graphs over a ``torch.compile``-fused step; the replay time of
+        one graphed step alone (what the loop around it costs); then, optionally, regenerates
+        training data with the target.
+    python benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/data [--preset full]
+        trains an EAGLE-3 head (or takes --head), then benchmarks n-gram and EAGLE-3 for k = 1..7
+        against our autoregressive decode in the same run (engines built once per pass and
+        reused across k); ``--ks ""`` trains only.
+
+Every stage writes ``$OUT/<phase>.json`` as soon as it ends; a stage that fails is recorded with
+its error and the next one still runs. Prints a table per stage and one JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from outrider.bench import _hf_generate, bench, load_prompts
+from outrider.engine import SpecEngine, eos_token_ids
+from outrider.fsutil import atomic_write_json
+from outrider.models import load_model
+
+
+def _stage(results: dict, name: str, path: Path, fn) -> None:
+    t = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as e:  # a benchmark stage may fail; the others must still run and be recorded
+        results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    results.setdefault("stage_s", {})[name] = round(time.perf_counter() - t, 2)
+    atomic_write_json(path, results)
+    print(f"== {name} ({results['stage_s'][name]:.1f} s):",
+          json.dumps(results[name], default=str)[:1500], flush=True)
+
+
+def _ours(model, prompts, max_new, eos, compile: bool, hf_outs=None):
+    eng = SpecEngine(model, None, eos_ids=eos, graphs=True, compile=compile)
+    t = time.perf_counter()
+    eng.generate(prompts[:1], 8)  # capture (and compile) the one-token step
+    warm_s = time.perf_counter() - t
+    t = time.perf_counter()
+    runs = [eng.generate([p], max_new) for p in prompts]
+    eng._sync()
+    s = time.perf_counter() - t
+    n = sum(r.new_tokens for r in runs)
+    decode_s = sum(r.decode_s for r in runs)
+    steps = sum(r.steps for r in runs)
+    out = {"tokens_per_s": n / s, "new_tokens": n, "warmup_s": warm_s,
+           "step_ms": 1e3 * decode_s / steps, "verify_span_ms": 1e3 * sum(r.verify_s for r in runs) / steps,
+           "prefill_ms_mean": 1e3 * sum(r.prefill_s for r in runs) / len(runs)}
+    # the graph alone: replay the captured one-token step back to back, no loop around it
+    lm = next(iter(eng._pool.values()))
+    graph = lm._graphs[1][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    lm.cache.begin(1)
+    start.record()
+    for _ in range(200):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    out["graph_replay_ms"] = start.elapsed_time(end) / 200
+    lm.cache.n_pending = 0
+    outs = [r.tokens[0] for r in runs]
+    if hf_outs is not None:
+        out["agreement_with_hf"] = sum(a == b for a, b in zip(outs, hf_outs)) / len(outs)
+    return out, outs
+
+
+def _hf_static(model, prompts, max_new, eos, pad):
+    """transformers on its own: a static cache, which ``generate`` compiles automatically."""
+    model.generation_config.cache_implementation = "static"
+    try:
+        t = time.perf_counter()
+        _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
+        _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
+        warm = time.perf_counter() - t
+        outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
+        short, s_short = _hf_generate(model, prompts, 1, 8, eos, pad)
+    finally:
+        model.generation_config.cache_implementation = None
+    n, n_short = sum(len(o) for o in outs), sum(len(o) for o in short)
+    return {"tokens_per_s": n / s, "warmup_s": warm,
+            "step_ms_est": 1e3 * (s - s_short) / max(n - n_short, 1)}, outs
+
+
+def speed(a) -> None:
+    path = Path(a.out) / "speed.json"
+    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    model, tok = load_model("default", device="cuda", dtype="bfloat16")
+    eos = eos_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    prompts = load_prompts(tok, a.prompts, a.num_prompts)
+    store: dict = {}
+
+    def hf():
+        _hf_generate(model, prompts[:1], 1, 8, eos, pad)
+        outs, s = _hf_generate(model, prompts[:a.hf_prompts], 1, a.max_new_tokens, eos, pad)
+        store["hf"] = outs
+        return {"tokens_per_s": sum(len(o) for o in outs) / s, "prompts": a.hf_prompts}
+
+    _stage(results, "hf_generate", path, hf)
+
+    def ours(compile):
+        def run():
+            out, outs = _ours(model, prompts, a.max_new_tokens, eos, compile, store.get("hf"))
+            store["compiled" if compile else "eager"] = outs
+            return out
+        return run
+
+    _stage(results, "ours_graphs", path, ours(False))
+    _stage(results, "ours_graphs_compiled", path, ours(True))
+    if "eager" in store and "compiled" in store:
+        same = sum(x == y for x, y in zip(store["eager"], store["compiled"]))
+        results["compiled_vs_eager_agreement"] = same / len(store["eager"])
+
+    def hf_static():
+        out, outs = _hf_static(model, prompts[:a.hf_prompts], a.max_new_tokens, eos, pad)
+        if "hf" in store:
+            out["agreement_with_hf"] = sum(x == y for x, y in zip(outs, store["hf"])) / len(outs)
+        return out
+
+    if not a.skip_hf_static:
+        _stage(results, "hf_static_compiled", path, hf_static)
+    if a.dataset:
+        from outrider.demo import engine_generate_fn
+        from outrider.train.data import build_dataset
+
+        def data():
+            t = time.perf_counter()
+            rep = build_dataset("default", a.dataset, a.data_out, max_conversations=a.conversations,
+                                max_length=a.max_length, regenerate=True, max_new_tokens=a.regen_tokens,
+                                generate_fn=engine_generate_fn(model, eos, batch_size=a.regen_batch, graphs=True),
+                                progress=False)
+            return {"seconds": time.perf_counter() - t, **rep.to_dict()}
+
+        _stage(results, "data", path, data)
+    print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "trace"})
+                      for k, v in results.items()}, default=str)[:6000])
+
+
+def train_bench(a) -> None:
+    from outrider.bench import build_proposer
+    from outrider.export import export
+    from outrider.train.trainer import train
+
+    path = Path(a.out) / "train_bench.json"
+    results: dict = {"device": torch.cuda.get_device_name(0)}
+    model, tok = load_model("default", device="cuda", dtype="bfloat16")
+    eos = eos_token_ids(model, tok)
+    head_dir = a.head or f"{a.work}/train/head"
+    if not a.head:
+        def run_train():
+            rep = train("default", a.data, f"{a.work}/train", preset=a.preset, config=a.config, progress=False,
+                        loaded_target=(model, tok))
+            return rep.to_dict()
+
+        _stage(results, "train", path, run_train)
+        metrics = Path(a.work) / "train" / "metrics.jsonl"
+        if metrics.exists():
+            (Path(a.out) / "train-metrics.jsonl").write_text(metrics.read_text())
+
+        def run_export():
+            return export(head_dir, "vllm", f"{a.out}/head-vllm", target="default").to_dict()
+
+        _stage(results, "export", path, run_export)
+    results["records"] = []
+    ks = [int(x) for x in a.ks.split(",") if x]
+    for pass_name in [x for x in a.passes.split(",") if x]:
+        compiled = pass_name == "compiled"
+        ar = SpecEngine(model, None, eos_ids=eos, graphs=True, compile=compiled)
+        for method in [m for m in a.methods.split(",") if m and (m != "eagle3" or Path(head_dir).exists())]:
+            draft = head_dir if method == "eagle3" else None
+            proposer = build_proposer(method, model, tok, draft, device=model.device)
+            spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled)
+            for k in ks:
+                def one():
+                    r = bench("default", method, draft=draft, k=k, num_prompts=a.num_prompts, prompts=a.prompts,
+                              max_new_tokens=a.max_new_tokens, loaded=(model, tok), engines=(ar, spec))
+                    results["records"].append(r)
+                    return {x: r[x] for x in ("compiled", "tau", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
+                                              "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",
+                                              "greedy_agreement")}
+                _stage(results, f"{pass_name}_{method}_k{k}", path, one)
+    print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=("speed", "train-bench"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", default="sharegpt")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--hf-prompts", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf-static", action="store_true")
+    ap.add_argument("--dataset", default=None, help="speed phase: regenerate this conversation file")
+    ap.add_argument("--data-out", default="/tmp/run/data")
+    ap.add_argument("--conversations", type=int, default=8000)
+    ap.add_argument("--regen-tokens", type=int, default=256)
+    ap.add_argument("--regen-batch", type=int, default=128)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--data", default="/tmp/run/data")
+    ap.add_argument("--work", default="/tmp/run")
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--config", default=None, help="a training config file instead of the preset")
+    ap.add_argument("--head", default=None, help="train-bench: bench this head instead of training one")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7")
+    ap.add_argument("--passes", default="eager,compiled", help="train-bench: target steps as eager-kernel graphs "
+                    "and/or compiled graphs (comma-separated)")
+    ap.add_argument("--methods", default="ngram,eagle3")
+    a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    speed(a) if a.phase == "speed" else train_bench(a)
+
+
+if __name__ == "__main__":
+    main()
