@@ -28,6 +28,7 @@ Not done here: paging, sharing prefixes between rows, eviction. The cache holds 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Sequence
 
@@ -195,6 +196,26 @@ class SlotCache(Cache):
         return True
 
 
+@contextlib.contextmanager
+def graph_safe_experts(model: torch.nn.Module):
+    """Mixture-of-experts layers without host synchronisation while a CUDA graph is captured.
+
+    ``transformers``' ``grouped_mm`` experts copy group offsets through the host, which graph
+    capture forbids; ``batched_mm`` (gathering each token's experts) has none, and is what
+    ``transformers`` itself switches to for decoding on GPUs. Dense models pass through.
+    """
+    get = getattr(model, "get_experts_implementation", None)
+    original = get() if callable(get) else None
+    switch = isinstance(original, dict) and "grouped_mm" in original.values()
+    if switch:
+        model.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()})
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_experts_implementation(original)
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which this transformers version's ``forward`` takes the cache."""
     params = inspect.signature(model.forward).parameters
@@ -304,17 +325,18 @@ class CachedLM:
 
     def _capture(self, ids: torch.Tensor) -> tuple:
         s_ids = ids.clone()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (and compilation) writes only into reserved, not yet valid slots
-            for _ in range(3):
-                self._body(s_ids)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
-            self._mempool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            logits, aux = self._body(s_ids)
+        with graph_safe_experts(self.model):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up (and compilation) writes only into reserved, not yet valid slots
+                for _ in range(3):
+                    self._body(s_ids)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
+                self._mempool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                logits, aux = self._body(s_ids)
         return graph, s_ids, logits, aux
 
     def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
