@@ -132,8 +132,6 @@ def speed(a) -> None:
             out["agreement_with_hf"] = sum(x == y for x, y in zip(outs, store["hf"])) / len(outs)
         return out
 
-    if not a.skip_hf_static:
-        _stage(results, "hf_static_compiled", path, hf_static)
     if a.dataset:
         from outrider.demo import engine_generate_fn
         from outrider.train.data import build_dataset
@@ -147,6 +145,8 @@ def speed(a) -> None:
             return {"seconds": time.perf_counter() - t, **rep.to_dict()}
 
         _stage(results, "data", path, data)
+    if not a.skip_hf_static:
+        _stage(results, "hf_static_compiled", path, hf_static)
     print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "trace"})
                       for k, v in results.items()}, default=str)[:6000])
 

@@ -1,0 +1,73 @@
+"""Predicted against measured speedup: the planner calibrated on a bench run's step times only.
+
+    python benchmarks/planner_check.py RESULTS.json [--hardware h200] [--out check.json]
+
+RESULTS.json holds bench records (a list, or an object with ``records``, as
+``gpu_session.py train-bench`` writes). Records are grouped by how the target step ran
+(``compiled``); per group the planner is calibrated on ``ar_step_ms``, ``verify_step_ms`` and
+``draft_step_ms`` (never a speedup), takes acceptance from the same records, and its predicted
+speedup is set against each record's measured ``speedup_vs_ar``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from outrider.fsutil import atomic_write_json
+from outrider.plan import plan
+
+
+def check(records: list[dict], hardware: str) -> list[dict]:
+    rows = []
+    groups: dict[bool, list[dict]] = {}
+    for r in records:
+        groups.setdefault(bool(r.get("compiled")), []).append(r)
+    for compiled, recs in sorted(groups.items()):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "records.json"
+            path.write_text(json.dumps(recs))
+            ks = sorted({r["k"] for r in recs})
+            result = plan("default", hardware, acceptance=str(path), calibrate=str(path), ks=ks,
+                          console=Console(file=io.StringIO()))
+        for r in recs:
+            pred = next(p for p in result.predictions if p.method == r["method"] and p.k == r["k"] and p.batch == 1)
+            rows.append({"compiled": compiled, "method": r["method"], "k": r["k"], "tau": r["tau"],
+                         "measured": r["speedup_vs_ar"], "predicted": pred.speedup,
+                         "error": pred.speedup / r["speedup_vs_ar"] - 1.0,
+                         "calibration": result.calibration.summary() if result.calibration else ""})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    data = json.loads(Path(a.results).read_text())
+    records = data["records"] if isinstance(data, dict) else data
+    rows = check(records, a.hardware)
+    seen = set()
+    for row in rows:
+        if row["calibration"] not in seen:
+            seen.add(row["calibration"])
+            print(f"[{'compiled' if row['compiled'] else 'eager kernels'}] {row['calibration']}")
+    print("| target step | method | k | tau | measured | predicted | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {'compiled' if row['compiled'] else 'eager'} | {row['method']} | {row['k']} | {row['tau']:.2f} | "
+              f"{row['measured']:.2f}x | {row['predicted']:.2f}x | {100 * row['error']:+.1f}% |")
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst |error| {100 * worst:.1f}% over {len(rows)} configurations")
+    if a.out:
+        atomic_write_json(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
