@@ -178,10 +178,11 @@ def train_bench(a) -> None:
         _stage(results, "export", path, run_export)
     results["records"] = []
     ks = [int(x) for x in a.ks.split(",") if x]
-    for pass_name in [x for x in a.passes.split(",") if x]:
+    for item in [x for x in a.passes.split(",") if x]:
+        pass_name, _, methods = item.partition(":")
         compiled = pass_name == "compiled"
         ar = SpecEngine(model, None, eos_ids=eos, graphs=True, compile=compiled)
-        for method in [m for m in a.methods.split(",") if m and (m != "eagle3" or Path(head_dir).exists())]:
+        for method in [m for m in methods.split("+") if m and (m != "eagle3" or Path(head_dir).exists())]:
             draft = head_dir if method == "eagle3" else None
             proposer = build_proposer(method, model, tok, draft, device=model.device)
             spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled)
@@ -194,6 +195,10 @@ def train_bench(a) -> None:
                                               "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",
                                               "greedy_agreement")}
                 _stage(results, f"{pass_name}_{method}_k{k}", path, one)
+    if a.hf_static:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        prompts = load_prompts(tok, a.prompts, a.hf_prompts)
+        _stage(results, "hf_static_compiled", path, lambda: _hf_static(model, prompts, a.max_new_tokens, eos, pad)[0])
     print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
 
 
@@ -218,9 +223,11 @@ def main():
     ap.add_argument("--config", default=None, help="a training config file instead of the preset")
     ap.add_argument("--head", default=None, help="train-bench: bench this head instead of training one")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
-    ap.add_argument("--passes", default="eager,compiled", help="train-bench: target steps as eager-kernel graphs "
-                    "and/or compiled graphs (comma-separated)")
-    ap.add_argument("--methods", default="ngram,eagle3")
+    ap.add_argument("--passes", default="eager:ngram+eagle3,compiled:eagle3+ngram",
+                    help="train-bench: comma-separated PASS:METHOD+METHOD, PASS = eager (graphs of eager kernels) "
+                         "or compiled (graphs of torch.compile-fused steps)")
+    ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "
+                    "compiled generate")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     speed(a) if a.phase == "speed" else train_bench(a)
