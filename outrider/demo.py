@@ -33,8 +33,8 @@ class DemoSize:
 
 
 SIZES = {
-    "quick": DemoSize(conversations=160, regen_tokens=96, max_length=384, bench_prompts=8, bench_tokens=64, k=5),
-    "full": DemoSize(conversations=4000, regen_tokens=256, max_length=1024, bench_prompts=40, bench_tokens=256, k=5),
+    "quick": DemoSize(conversations=160, regen_tokens=96, max_length=384, bench_prompts=6, bench_tokens=48, k=5),
+    "full": DemoSize(conversations=11000, regen_tokens=256, max_length=1024, bench_prompts=40, bench_tokens=256, k=5),
 }
 
 
