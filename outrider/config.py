@@ -166,7 +166,7 @@ PRESETS: dict[str, TrainConfig] = {
     # started from the target's, and a hard stop at 7 minutes of training so that the preset
     # always fits the 10-minute budget whatever the machine.
     "full": TrainConfig(
-        steps=900, batch_size=32, grad_accum=1, max_length=1024, lr=1e-3, min_lr_ratio=0.05, warmup_steps=50,
+        steps=900, batch_size=32, grad_accum=1, max_length=1024, lr=5e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=300, eval_examples=256, save_every=300,
         init_from_target=True, time_budget_s=420.0,
     ),
