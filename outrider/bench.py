@@ -8,6 +8,8 @@ records atomically) with at least: method, k, num_prompts, new_tokens, tau,
 accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
 ``lossless`` is only claimed for greedy runs: every output equals the autoregressive output.
 Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
+With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
+batch, so that a machine whose speed drifts during the run cannot favour either.
 
 Not done here: server-level load tests, latency percentiles under concurrency.
 """
@@ -201,7 +203,17 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
                 if proposer else ar)
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         engine.generate(prompt_ids[:1], min(8, max_new_tokens))
-    ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
+        _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+        ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
+        for i in range(0, len(prompt_ids), batch_size):
+            out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens)
+            ar_out, ar_s, ar_res = ar_out + out, ar_s + s, ar_res + res
+            out, s = _hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
+            hf_out, hf_s = hf_out + out, hf_s + s
+    else:
+        ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
     sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens)
     ar_tokens = sum(len(t) for t in ar_out)
     sp_tokens = sum(len(t) for t in sp_out)
@@ -239,9 +251,6 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
     }
     if hf_baseline:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-        _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
-        hf_out, hf_s = _hf_generate(model, prompt_ids, batch_size, max_new_tokens, eos, pad)
         record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
         record["ar_vs_hf"] = record["ar_tokens_per_s"] / record["hf_tokens_per_s"]
         record["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)

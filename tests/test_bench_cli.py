@@ -1,0 +1,46 @@
+"""`outrider bench` end to end on a tiny target folder: the record, the transformers baseline,
+and bad input as one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from outrider.cli import main as cli_main
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
+    return path
+
+
+def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = cli_main(["bench", str(tiny_dir("llama")), "--method", "ngram", "--k", "3", "--prompts", str(prompts),
+                   "--num-prompts", "2", "--max-new-tokens", "12", "--hf-baseline", "--json", str(out)])
+    assert rc in (0, None)
+    (record,) = json.loads(out.read_text())
+    assert record["lossless"] is True and record["hf_agreement"] == 1.0
+    assert record["new_tokens"] > 0 and record["hf_tokens_per_s"] > 0 and record["ar_tokens_per_s"] > 0
+    assert len(record["accept_rate_per_pos"]) == 3 and record["tau"] >= 1.0
+    assert record["step_ms"] >= record["verify_step_ms"] > 0 and record["draft_step_ms"] >= 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "0"], "--k must be >= 1"),
+    (["--method", "nope"], "unknown method"),
+])
+def test_bench_bad_input_is_one_line_exit_2(tiny_dir, prompts, capsys, args, message):
+    rc = cli_main(["bench", str(tiny_dir("llama")), "--prompts", str(prompts), "--num-prompts", "1",
+                   "--max-new-tokens", "4", *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_bench_missing_target_folder(tmp_path, capsys):
+    rc = cli_main(["bench", str(tmp_path / "missing"), "--method", "ngram"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "missing" in err
