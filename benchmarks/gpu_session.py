@@ -173,7 +173,7 @@ def train_bench(a) -> None:
             (Path(a.out) / "train-metrics.jsonl").write_text(metrics.read_text())
 
         def run_export():
-            return export(head_dir, "vllm", f"{a.out}/head-vllm", target="default").to_dict()
+            return export(head_dir, "vllm", f"{a.work}/head-vllm", target="default").to_dict()
 
         _stage(results, "export", path, run_export)
     results["records"] = []
