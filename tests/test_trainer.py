@@ -247,3 +247,15 @@ def test_empty_and_too_small_datasets_are_one_line_errors(env, tmp_path, capsys)
     with pytest.raises(UserError, match="not an outrider token dataset"):
         train(env["target"], str(tmp_path), str(tmp_path / "o3"), config=CFG, progress=False)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def test_time_budget_ends_the_run_with_a_head(env, tmp_path):
+    """A run over its training-time budget stops after the step that crossed it: final eval,
+    checkpoint and head written, the early stop named in the report."""
+    out = tmp_path / "budget"
+    report = train(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e-9), progress=False)
+    assert report.steps == 1 and report.schedule_steps == CFG.steps
+    assert any("time budget" in n for n in report.notes)
+    assert (out / "head" / "model.safetensors").is_file() and (out / "last").is_dir()
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "eval"] == [1]
