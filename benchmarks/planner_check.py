@@ -6,7 +6,8 @@ RESULTS.json holds bench records (a list, or an object with ``records``, as
 ``gpu_session.py train-bench`` writes). Records are grouped by how the target step ran
 (``compiled``); per group the planner is calibrated on ``ar_step_ms``, ``verify_step_ms`` and
 ``draft_step_ms`` (never a speedup), takes acceptance from the same records, and its predicted
-speedup is set against each record's measured ``speedup_vs_ar``.
+speedup (of decoding) is set against each record's measured ``decode_speedup_vs_ar`` (prefill
+excluded), or ``speedup_vs_ar`` in records written before that field existed.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def check(records: list[dict], hardware: str) -> list[dict]:
                           console=Console(file=io.StringIO()))
         for r in recs:
             pred = next(p for p in result.predictions if p.method == r["method"] and p.k == r["k"] and p.batch == 1)
+            measured = r.get("decode_speedup_vs_ar", r["speedup_vs_ar"])  # decode only, where recorded
             rows.append({"compiled": compiled, "method": r["method"], "k": r["k"], "tau": r["tau"],
-                         "measured": r["speedup_vs_ar"], "predicted": pred.speedup,
-                         "error": pred.speedup / r["speedup_vs_ar"] - 1.0,
+                         "measured": measured, "predicted": pred.speedup, "error": pred.speedup / measured - 1.0,
                          "calibration": result.calibration.summary() if result.calibration else ""})
     return rows
 

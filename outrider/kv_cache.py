@@ -222,6 +222,38 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
+    B, n = ids.shape  # ids: [batch, n]
+    offsets = lm.cache._arange[:n]
+    positions = lm.cache.lengths[:, None] + offsets  # [batch, n]
+    query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
+    new_mask = offsets[:, None] >= offsets[None, :]  # [n, n] causal
+    mask = lm.cache.attention_mask(query_valid, new_mask, lm.dtype)
+    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{lm._cache_kw: lm.cache})
+    aux = lm.capture.concat() if lm.capture is not None else None
+    return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_step(backend: str):
+    """``_plain_step`` compiled once per process and backend, shared by every ``CachedLM``.
+
+    One compiled function (rather than one per cache) lets a new cache of the same model reuse
+    the compiled code; widths 1..k+1, batch sizes and cache lengths become dynamic after their
+    first change, which keeps recompilation to a handful.
+    """
+    if backend not in _COMPILED:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED[backend] = torch.compile(_plain_step, backend=backend, dynamic=None, fullgraph=False)
+    return _COMPILED[backend]
+
+
 def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # [n, n]
 
@@ -251,12 +283,8 @@ class CachedLM:
         self._mempool = None
         self._body = self._default_step
         if compile:
-            import torch._dynamo
-
-            # widths 1..k+1 and a few batch sizes: automatic dynamic shapes keep this to a few compiles
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            backend = compile if isinstance(compile, str) else "inductor"  # a name: another backend (tests)
-            self._body = torch.compile(self._default_step, backend=backend, dynamic=None, fullgraph=False)
+            step = _compiled_step(compile if isinstance(compile, str) else "inductor")  # a name: another backend
+            self._body = lambda ids: step(self, ids)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -298,17 +326,7 @@ class CachedLM:
         return out.logits  # [batch, n or m, vocab]
 
     def _default_step(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
-        B, n = ids.shape  # ids: [batch, n]
-        offsets = self.cache._arange[:n]
-        positions = self.cache.lengths[:, None] + offsets  # [batch, n]
-        query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
-        new_mask = offsets[:, None] >= offsets[None, :]  # [n, n] causal
-        mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self._cache_kw: self.cache})
-        aux = self.capture.concat() if self.capture is not None else None
-        return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
+        return _plain_step(self, ids)
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""

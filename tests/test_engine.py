@@ -69,6 +69,27 @@ def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, re
     assert got == expected
 
 
+def test_compiled_step_is_shared_between_caches(tiny_models):
+    """A second cache of the same model and size reuses the compiled step: no new graph."""
+    from torch._dynamo.utils import counters
+
+    from outrider.kv_cache import CachedLM
+
+    model = tiny_models("llama")
+
+    def decode():
+        lm = CachedLM(model, 1, 96, compile="aot_eager")
+        lm.forward(torch.tensor([[5, 6, 7]]), logits_at=torch.tensor([2]))
+        lm.commit(torch.ones(1, 3, dtype=torch.bool))
+        for n in (1, 2, 3):
+            lm.forward(torch.full((1, n), 9))
+            lm.commit(torch.ones(1, n, dtype=torch.bool))
+        return counters["stats"]["unique_graphs"]
+
+    first = decode()
+    assert decode() == first
+
+
 def test_self_draft_accepts_everything(tiny_models):
     model = tiny_models("llama")
     for k in (1, 4, 6):
