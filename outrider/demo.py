@@ -53,6 +53,7 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
                 by_index[i] = toks
         return [by_index[i] for i in range(len(prompts))]
 
+    generate.batch_size = batch_size  # the regeneration's wave size
     return generate
 
 

@@ -28,7 +28,8 @@ Contract:
   ``manifest.json`` (tokenizer fingerprint, chat-template hash, counts, drop reasons, shards).
 - ``regenerate=True`` replaces each assistant turn, in order, with the target's own greedy reply
   to the conversation so far, through a local ``generate_fn(prompts, max_new_tokens)`` (token ids
-  in, new token ids out) or an OpenAI-compatible server. Finished conversations are appended to a
+  in, new token ids out; prompts go in waves of similar length, one wave per ``generate_fn.batch_size``
+  when it declares one) or an OpenAI-compatible server. Finished conversations are appended to a
   JSONL cache next to the output (``<out>.regen.jsonl``) and reused on a rerun with the same
   settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
@@ -509,6 +510,7 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
                 out[i] = [int(t) for t in gen[row, width:].tolist()]
         return out
 
+    generate.batch_size = batch_size  # the regeneration's wave size
     return generate
 
 
@@ -572,6 +574,8 @@ def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: G
                 continue
             ready.append((state, i, prompt))
         active = []
+        ready.sort(key=lambda r: len(r[2]))  # waves of similar lengths: little padding, steady cache sizes
+        wave = getattr(generate_fn, "batch_size", wave)  # one wave = one batch of the generator
         for start in range(0, len(ready), wave):
             chunk = ready[start: start + wave]
             outs = generate_fn([p for _, _, p in chunk], max_new_tokens)
