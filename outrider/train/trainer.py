@@ -35,7 +35,8 @@ Contract:
 - Exact resume: ``resume=True`` restores everything in ``last/`` and continues with the next
   micro-batch of the same epoch order; on CPU the result is bit-identical to a run that was
   never interrupted. ``max_steps`` stops the run early at that optimizer step (checkpointed)
-  without changing the schedule, whose horizon is the config's ``steps``.
+  without changing the schedule, whose horizon is the config's ``steps``; so does the config's
+  ``time_budget_s`` once the training time (all ranks agreeing) exceeds it, named in the notes.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
   DDP replica of the head and reads its share of each global batch; only rank 0 writes and
   prints, with barriers around checkpoints. Resuming needs the same number of processes.
