@@ -189,7 +189,8 @@ def train_bench(a) -> None:
             for k in ks:
                 def one():
                     r = bench("default", method, draft=draft, k=k, num_prompts=a.num_prompts, prompts=a.prompts,
-                              max_new_tokens=a.max_new_tokens, loaded=(model, tok), engines=(ar, spec))
+                              max_new_tokens=a.max_new_tokens, loaded=(model, tok), engines=(ar, spec),
+                              repeats=a.repeats)
                     results["records"].append(r)
                     return {x: r[x] for x in ("compiled", "tau", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
                                               "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",
@@ -226,6 +227,7 @@ def main():
     ap.add_argument("--passes", default="eager:ngram+eagle3,compiled:eagle3+ngram",
                     help="train-bench: comma-separated PASS:METHOD+METHOD, PASS = eager (graphs of eager kernels) "
                          "or compiled (graphs of torch.compile-fused steps)")
+    ap.add_argument("--repeats", type=int, default=3, help="train-bench: (AR, method) pass pairs per row")
     ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "
                     "compiled generate")
     a = ap.parse_args()

@@ -75,7 +75,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(),
-          graphs=a.graphs, compile=a.compile)
+          graphs=a.graphs, compile=a.compile, repeats=a.repeats)
     return 0
 
 
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compile", action="store_true",
                     help="fuse the target's step with torch.compile before capturing it (a minute or two of "
                          "compilation; pays on GPUs, where the unfused step is launch-bound)")
+    sp.add_argument("--repeats", type=int, default=1,
+                    help="measure this many (AR, method) pairs of passes; speeds are medians over the pairs")
     sp.add_argument("--json", default=None, metavar="F", help="write the record(s) to this JSON file")
     runtime(sp)
     sp.set_defaults(fn=cmd_bench)

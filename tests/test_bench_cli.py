@@ -20,19 +20,22 @@ def prompts(tmp_path):
 def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir, prompts, tmp_path):
     out = tmp_path / "bench.json"
     rc = cli_main(["bench", str(tiny_dir("llama")), "--method", "ngram", "--k", "3", "--prompts", str(prompts),
-                   "--num-prompts", "2", "--max-new-tokens", "12", "--hf-baseline", "--json", str(out)])
+                   "--num-prompts", "2", "--max-new-tokens", "12", "--hf-baseline", "--repeats", "2",
+                   "--json", str(out)])
     assert rc in (0, None)
     (record,) = json.loads(out.read_text())
     assert record["lossless"] is True and record["hf_agreement"] == 1.0
     assert record["new_tokens"] > 0 and record["hf_tokens_per_s"] > 0 and record["ar_tokens_per_s"] > 0
     assert len(record["accept_rate_per_pos"]) == 3 and record["tau"] >= 1.0
     assert record["step_ms"] >= record["verify_step_ms"] > 0 and record["draft_step_ms"] >= 0
-    assert record["decode_speedup_vs_ar"] > 0
+    assert record["decode_speedup_vs_ar"] > 0 and record["repeats"] == 2 and len(record["speedup_per_pass"]) == 2
+    assert record["speedup_vs_ar"] == pytest.approx(sum(record["speedup_per_pass"]) / 2)  # median of two
 
 
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be >= 1"),
     (["--method", "nope"], "unknown method"),
+    (["--method", "ngram", "--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bench_bad_input_is_one_line_exit_2(tiny_dir, prompts, capsys, args, message):
     rc = cli_main(["bench", str(tiny_dir("llama")), "--prompts", str(prompts), "--num-prompts", "1",
