@@ -19,8 +19,10 @@ Contract:
   (``ptr_dev``) and the mask is built from it, so a CUDA graph can build it inside the replay.
 - ``CachedLM(graphs=True)`` replays, per width ``n``, one CUDA graph that builds positions and
   mask and runs the model; with ``compile=True`` that body is first compiled by
-  ``torch.compile`` (kernel fusion), then captured. Outside a step the host only reserves the
-  slots (two tiny kernels) and copies the token ids.
+  ``torch.compile`` (kernel fusion; one compiled function per process, shared by every cache),
+  then captured. Outside a step the host only reserves the slots (two tiny kernels) and copies
+  the token ids. Mixture-of-experts layers are captured with batched experts
+  (``graph_safe_experts``).
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
@@ -281,7 +283,7 @@ class CachedLM:
         self._cache_kw = cache_kwarg(model)
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
-        self._body = self._default_step
+        self._body = lambda ids: _plain_step(self, ids)
         if compile:
             step = _compiled_step(compile if isinstance(compile, str) else "inductor")  # a name: another backend
             self._body = lambda ids: step(self, ids)
@@ -324,9 +326,6 @@ class CachedLM:
         if self.capture is not None:
             self.aux = self.capture.concat()
         return out.logits  # [batch, n or m, vocab]
-
-    def _default_step(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _plain_step(self, ids)
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""
