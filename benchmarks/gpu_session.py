@@ -178,6 +178,7 @@ def train_bench(a) -> None:
         _stage(results, "export", path, run_export)
     results["records"] = []
     ks = [int(x) for x in a.ks.split(",") if x]
+    batches = [int(x) for x in a.batches.split(",") if x]
     for item in [x for x in a.passes.split(",") if x]:
         pass_name, _, methods = item.partition(":")
         compiled = pass_name == "compiled"
@@ -186,16 +187,16 @@ def train_bench(a) -> None:
             draft = head_dir if method == "eagle3" else None
             proposer = build_proposer(method, model, tok, draft, device=model.device)
             spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled)
-            for k in ks:
+            for batch, k in [(b, k) for b in batches for k in ks]:
                 def one():
-                    r = bench("default", method, draft=draft, k=k, num_prompts=a.num_prompts, prompts=a.prompts,
-                              max_new_tokens=a.max_new_tokens, loaded=(model, tok), engines=(ar, spec),
-                              repeats=a.repeats)
+                    r = bench("default", method, draft=draft, k=k, num_prompts=max(a.num_prompts, batch),
+                              prompts=a.prompts, max_new_tokens=a.max_new_tokens, batch_size=batch,
+                              loaded=(model, tok), engines=(ar, spec), repeats=a.repeats)
                     results["records"].append(r)
                     return {x: r[x] for x in ("compiled", "tau", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
                                               "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",
                                               "greedy_agreement")}
-                _stage(results, f"{pass_name}_{method}_k{k}", path, one)
+                _stage(results, f"{pass_name}_{method}_b{batch}_k{k}", path, one)
     if a.hf_static:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         prompts = load_prompts(tok, a.prompts, a.hf_prompts)
@@ -227,6 +228,7 @@ def main():
     ap.add_argument("--passes", default="eager:ngram+eagle3,compiled:eagle3+ngram",
                     help="train-bench: comma-separated PASS:METHOD+METHOD, PASS = eager (graphs of eager kernels) "
                          "or compiled (graphs of torch.compile-fused steps)")
+    ap.add_argument("--batches", default="1", help="train-bench: batch sizes, e.g. 1,4,16,64")
     ap.add_argument("--repeats", type=int, default=3, help="train-bench: (AR, method) pass pairs per row")
     ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "
                     "compiled generate")

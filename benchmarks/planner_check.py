@@ -34,12 +34,15 @@ def check(records: list[dict], hardware: str) -> list[dict]:
             path = Path(tmp) / "records.json"
             path.write_text(json.dumps(recs))
             ks = sorted({r["k"] for r in recs})
-            result = plan("default", hardware, acceptance=str(path), calibrate=str(path), ks=ks,
+            batches = sorted({r.get("batch_size", 1) for r in recs})
+            result = plan("default", hardware, acceptance=str(path), calibrate=str(path), ks=ks, batches=batches,
                           console=Console(file=io.StringIO()))
         for r in recs:
-            pred = next(p for p in result.predictions if p.method == r["method"] and p.k == r["k"] and p.batch == 1)
+            pred = next(p for p in result.predictions
+                        if p.method == r["method"] and p.k == r["k"] and p.batch == r.get("batch_size", 1))
             measured = r.get("decode_speedup_vs_ar", r["speedup_vs_ar"])  # decode only, where recorded
-            rows.append({"compiled": compiled, "method": r["method"], "k": r["k"], "tau": r["tau"],
+            rows.append({"compiled": compiled, "method": r["method"], "k": r["k"], "batch": r.get("batch_size", 1),
+                         "tau": r["tau"],
                          "measured": measured, "predicted": pred.speedup, "error": pred.speedup / measured - 1.0,
                          "calibration": result.calibration.summary() if result.calibration else ""})
     return rows
@@ -59,10 +62,10 @@ def main() -> None:
         if row["calibration"] not in seen:
             seen.add(row["calibration"])
             print(f"[{'compiled' if row['compiled'] else 'eager kernels'}] {row['calibration']}")
-    print("| target step | method | k | tau | measured | predicted | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| target step | method | batch | k | tau | measured | predicted | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {'compiled' if row['compiled'] else 'eager'} | {row['method']} | {row['k']} | {row['tau']:.2f} | "
+        print(f"| {'compiled' if row['compiled'] else 'eager'} | {row['method']} | {row['batch']} | {row['k']} | {row['tau']:.2f} | "
               f"{row['measured']:.2f}x | {row['predicted']:.2f}x | {100 * row['error']:+.1f}% |")
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst |error| {100 * worst:.1f}% over {len(rows)} configurations")

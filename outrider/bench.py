@@ -209,8 +209,9 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
                 if proposer else ar)
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
-        if engine.graphs or engine.compile:  # the longest request sizes the pooled cache: no capture or
-            engine.generate([max(prompt_ids, key=len)], max_new_tokens)  # compilation inside the timing
+        if engine.graphs or engine.compile:  # a batch of the longest requests sizes the pooled cache:
+            engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens)  # no capture or
+            # compilation inside the timing
         else:
             engine.generate(prompt_ids[:1], min(8, max_new_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
