@@ -189,7 +189,7 @@ def train_bench(a) -> None:
             spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled)
             for batch, k in [(b, k) for b in batches for k in ks]:
                 def one():
-                    r = bench("default", method, draft=draft, k=k, num_prompts=max(a.num_prompts, batch),
+                    r = bench("default", method, draft=draft, k=k, num_prompts=-(-a.num_prompts // batch) * batch,
                               prompts=a.prompts, max_new_tokens=a.max_new_tokens, batch_size=batch,
                               loaded=(model, tok), engines=(ar, spec), repeats=a.repeats)
                     results["records"].append(r)
