@@ -214,8 +214,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
             # compilation inside the timing
         else:
             engine.generate(prompt_ids[:1], min(8, max_new_tokens))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
         _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
         ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
         for i in range(0, len(prompt_ids), batch_size):

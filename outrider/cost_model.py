@@ -864,8 +864,9 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O
     plus a per-token overhead T times the step's new tokens (weighted least squares on relative
     error, O and T clipped at 0; T only where the points hold more than one token count); the
-    pair minimising the squared relative error wins, ties going to the higher efficiencies. The AllReduce term keeps the profile's link latency and bandwidth
-    (give ``allreduce_share`` through ``calibrate_measured`` to fit it).
+    pair minimising the squared relative error wins, ties going to the higher efficiencies. The
+    AllReduce term keeps the profile's link latency and bandwidth (give ``allreduce_share``
+    through ``calibrate_measured`` to fit it).
     """
     points, drafts = _parse_timing_records(bench_records, context, origin)
     base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,

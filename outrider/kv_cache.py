@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -218,6 +218,24 @@ def graph_safe_experts(model: torch.nn.Module):
             model.set_experts_implementation(original)
 
 
+def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, pool=None,
+                  after_each: Callable[[], Any] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run ``fn`` ``warmups`` times on a side stream (``after_each`` after every run), then
+    capture one call as a CUDA graph; returns the graph and the call's (static) outputs."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+            if after_each is not None:
+                after_each()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which this transformers version's ``forward`` takes the cache."""
     params = inspect.signature(model.forward).parameters
@@ -227,11 +245,9 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
     B, n = ids.shape  # ids: [batch, n]
-    offsets = lm.cache._arange[:n]
-    positions = lm.cache.lengths[:, None] + offsets  # [batch, n]
+    positions = lm.cache.lengths[:, None] + lm.cache._arange[:n]  # [batch, n]
     query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
-    new_mask = offsets[:, None] >= offsets[None, :]  # [n, n] causal
-    mask = lm.cache.attention_mask(query_valid, new_mask, lm.dtype)
+    mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device), lm.dtype)
     out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    **{lm._cache_kw: lm.cache})
     aux = lm.capture.concat() if lm.capture is not None else None
@@ -342,18 +358,10 @@ class CachedLM:
 
     def _capture(self, ids: torch.Tensor) -> tuple:
         s_ids = ids.clone()
-        with graph_safe_experts(self.model):
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up (and compilation) writes only into reserved, not yet valid slots
-                for _ in range(3):
-                    self._body(s_ids)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
-                self._mempool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                logits, aux = self._body(s_ids)
+        if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
+            self._mempool = torch.cuda.graph_pool_handle()
+        with graph_safe_experts(self.model):  # warm-up (and compilation) writes only into reserved, not yet valid slots
+            graph, (logits, aux) = capture_graph(lambda: self._body(s_ids), self.device, warmups=3, pool=self._mempool)
         return graph, s_ids, logits, aux
 
     def commit(self, keep: torch.Tensor, used: int | None = None) -> None:

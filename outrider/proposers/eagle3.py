@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from outrider.kv_cache import capture_graph
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, probs, sample
 
@@ -165,16 +166,9 @@ class Eagle3Proposer(Proposer):
     def _capture(self, aux, nxt, valid, k):
         s_aux, s_nxt, s_valid = aux.clone(), nxt.clone(), valid.clone()
         saved = self.cache.lengths.clone()
-        stream = torch.cuda.Stream(self.dev)
-        stream.wait_stream(torch.cuda.current_stream(self.dev))
-        with torch.cuda.stream(stream):  # warm-up: writes land past the committed entries, lengths restored
-            for _ in range(2):
-                self._chain(s_aux, s_nxt, s_valid, k)
-                self.cache.lengths.copy_(saved)
-        torch.cuda.current_stream(self.dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            s_tokens, _ = self._chain(s_aux, s_nxt, s_valid, k)
+        # warm-up writes land past the committed entries and the lengths are restored after each run
+        graph, (s_tokens, _) = capture_graph(lambda: self._chain(s_aux, s_nxt, s_valid, k), self.dev, warmups=2,
+                                             after_each=lambda: self.cache.lengths.copy_(saved))
         self.cache.lengths.copy_(saved)  # capture recorded the kernels without running them
         return graph, s_aux, s_nxt, s_valid, s_tokens
 

@@ -677,8 +677,10 @@ class _Trainer:
 
     def _over_budget(self, train_s: float) -> bool:
         """Has any rank trained for ``time_budget_s``? (every rank takes the same decision)"""
-        flag = torch.tensor([float(train_s >= self.config.time_budget_s)], device=self.env.device)
-        return float(dist.all_reduce_sum(flag, self.env)[0]) > 0
+        over = train_s >= self.config.time_budget_s
+        if not self.env.distributed:  # no device tensor, no synchronisation on one process
+            return over
+        return float(dist.all_reduce_sum(torch.tensor([float(over)], device=self.env.device), self.env)[0]) > 0
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
         env, cfg = self.env, self.config
