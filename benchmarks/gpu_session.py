@@ -1,11 +1,11 @@
 """One GPU session on the default model, in two device calls that share /tmp.
 
     python benchmarks/gpu_session.py speed --out $OUT [--data-out /tmp/run/data --dataset F]
-        decoding speed at batch 1: transformers ``generate`` (dynamic cache), transformers with
-        its own static cache and automatic compilation, our engine with CUDA graphs (eager
-        kernels) and with CUDA graphs over a ``torch.compile``-fused step; the replay time of
-        one graphed step alone (what the loop around it costs); then, optionally, regenerates
-        training data with the target.
+        decoding speed at batch 1: transformers ``generate`` (dynamic cache), our engine with CUDA
+        graphs (eager kernels) and with CUDA graphs over a ``torch.compile``-fused step, the
+        replay time of one graphed step alone (what the loop around it costs), transformers at its
+        best (a ``StaticCache`` step under ``torch.compile(mode="reduce-overhead")``) on the same
+        prompts; then, optionally, regenerates training data with the target.
     python benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/data [--preset full]
         trains an EAGLE-3 head (or takes --head), then benchmarks n-gram and EAGLE-3 for k = 1..7
         against our autoregressive decode in the same run (engines built once per pass and
@@ -58,39 +58,72 @@ def _ours(model, prompts, max_new, eos, compile: bool, hf_outs=None):
     out = {"tokens_per_s": n / s, "new_tokens": n, "warmup_s": warm_s,
            "step_ms": 1e3 * decode_s / steps, "verify_span_ms": 1e3 * sum(r.verify_s for r in runs) / steps,
            "prefill_ms_mean": 1e3 * sum(r.prefill_s for r in runs) / len(runs)}
-    # the graph alone: replay the captured one-token step back to back, no loop around it
+    # the graph alone: replay the captured self-feeding greedy step back to back from an empty cache
     lm = next(iter(eng._pool.values()))
-    graph = lm._graphs[1][0]
+    graph, _, _, counter = lm._greedy
+    lm.reset()
+    lm.cache.ptr_dev.zero_()
+    counter.zero_()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    lm.cache.begin(1)
     start.record()
     for _ in range(200):
         graph.replay()
     end.record()
     end.synchronize()
     out["graph_replay_ms"] = start.elapsed_time(end) / 200
-    lm.cache.n_pending = 0
+    lm.reset()
     outs = [r.tokens[0] for r in runs]
     if hf_outs is not None:
         out["agreement_with_hf"] = sum(a == b for a, b in zip(outs, hf_outs)) / len(outs)
     return out, outs
 
 
-def _hf_static(model, prompts, max_new, eos, pad):
-    """transformers on its own: a static cache, which ``generate`` compiles automatically."""
-    model.generation_config.cache_implementation = "static"
-    try:
+def _hf_static(model, prompts, max_new, eos, pad=None):
+    """transformers at its best on its own: a ``StaticCache`` and a greedy one-token step compiled
+    with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), the prefill eager, EOS checked
+    after every token as ``generate`` does. Returns (figures, outputs)."""
+    from transformers import StaticCache
+
+    from outrider.kv_cache import cache_kwarg
+
+    dev, kw = model.device, cache_kwarg(model)
+    longest = max(len(p) for p in prompts)
+    cache = StaticCache(config=model.config, max_cache_len=-(-(longest + max_new + 1) // 256) * 256)
+    stop = set(eos)
+
+    def one_token(tok, pos, cache_position):  # tok: [1, 1]; pos: [1, 1]; cache_position: [1]
+        logits = model(input_ids=tok, position_ids=pos, cache_position=cache_position, use_cache=True,
+                       **{kw: cache}).logits
+        return logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+
+    step = torch.compile(one_token, mode="reduce-overhead", fullgraph=True)
+
+    def run(p, n):
+        cache.reset()
+        ids = torch.tensor([p], device=dev)
+        logits = model(input_ids=ids, cache_position=torch.arange(len(p), device=dev), use_cache=True,
+                       **{kw: cache}).logits
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        out = [int(tok)]
         t = time.perf_counter()
-        _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
-        _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
+        while len(out) < n and out[-1] not in stop:
+            at = torch.tensor([len(p) + len(out) - 1], device=dev)
+            tok = step(tok, at[None], at).clone()
+            out.append(int(tok))
+        return out, time.perf_counter() - t, len(out) - 1
+
+    with torch.no_grad():
+        t = time.perf_counter()
+        for _ in range(3):
+            run(prompts[0], 16)  # compilation and graph capture
         warm = time.perf_counter() - t
-        outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
-        short, s_short = _hf_generate(model, prompts, 1, 8, eos, pad)
-    finally:
-        model.generation_config.cache_implementation = None
-    n, n_short = sum(len(o) for o in outs), sum(len(o) for o in short)
-    return {"tokens_per_s": n / s, "warmup_s": warm,
-            "step_ms_est": 1e3 * (s - s_short) / max(n - n_short, 1)}, outs
+        t = time.perf_counter()
+        runs = [run(p, max_new) for p in prompts]
+        s = time.perf_counter() - t
+    outs = [o for o, _, _ in runs]
+    steps = sum(n for _, _, n in runs)
+    return {"tokens_per_s": sum(map(len, outs)) / s, "step_ms": 1e3 * sum(d for _, d, _ in runs) / max(steps, 1),
+            "warmup_s": warm, "prompts": len(prompts)}, outs
 
 
 def speed(a) -> None:
@@ -126,11 +159,16 @@ def speed(a) -> None:
         same = sum(x == y for x, y in zip(store["eager"], store["compiled"]))
         results["compiled_vs_eager_agreement"] = same / len(store["eager"])
 
-    def hf_static():
-        out, outs = _hf_static(model, prompts[:a.hf_prompts], a.max_new_tokens, eos, pad)
+    def hf_static():  # the same prompts as ours, right after ours
+        out, outs = _hf_static(model, prompts, a.max_new_tokens, eos, pad)
         if "hf" in store:
-            out["agreement_with_hf"] = sum(x == y for x, y in zip(outs, store["hf"])) / len(outs)
+            out["agreement_with_hf"] = sum(x == y for x, y in zip(outs, store["hf"])) / len(store["hf"])
+        if "compiled" in store:
+            out["agreement_with_ours_compiled"] = sum(x == y for x, y in zip(outs, store["compiled"])) / len(outs)
         return out
+
+    if not a.skip_hf_static:
+        _stage(results, "hf_static_compiled", path, hf_static)
 
     if a.dataset:
         from outrider.demo import engine_generate_fn
@@ -145,8 +183,6 @@ def speed(a) -> None:
             return {"seconds": time.perf_counter() - t, **rep.to_dict()}
 
         _stage(results, "data", path, data)
-    if not a.skip_hf_static:
-        _stage(results, "hf_static_compiled", path, hf_static)
     print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "trace"})
                       for k, v in results.items()}, default=str)[:6000])
 

@@ -58,7 +58,9 @@ class TrainConfig:
     init_from_target: bool = False  # start lm_head (draft rows) and the final norm from the target's
     seed: int = 0  # head initialisation and data order
     amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
+    compile: bool = True  # on CUDA, the TTT loss is fused by torch.compile (ignored on CPU)
     time_budget_s: float = 0.0  # > 0: end the run (final eval and checkpoint) once training time exceeds it
+    group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -95,6 +97,9 @@ class TrainConfig:
         if isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float)) \
                 or not self.time_budget_s >= 0:
             raise UserError(f"training setting 'time_budget_s' must be a number >= 0, got {self.time_budget_s!r}")
+        if isinstance(self.group_by_length, bool) or not isinstance(self.group_by_length, int) \
+                or self.group_by_length < 0:
+            raise UserError(f"training setting 'group_by_length' must be an integer >= 0, got {self.group_by_length!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
 

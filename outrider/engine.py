@@ -14,7 +14,9 @@ masked (``kv_cache.py``).
 On CUDA, ``graphs=True`` replays each target forward width (1 for plain decoding, k+1 for
 verification) as a CUDA graph over a static cache that is reused across calls, and lets the
 proposer capture its own steps (EAGLE-3 does). ``compile=True`` fuses the target step with
-``torch.compile`` first (on the CPU it runs compiled without graphs).
+``torch.compile`` first (on the CPU it runs compiled without graphs). Plain greedy decoding needs
+no host decision between steps: it runs ``AR_CHUNK`` steps per synchronisation (one graph per
+step that feeds its own argmax back), checking EOS once per chunk.
 
 Not done here: continuous batching (requests join only at prefill), trees, prompt caching
 across calls.
@@ -121,6 +123,8 @@ class SpecEngine:
     target: a stock Hugging Face causal LM (eval mode); proposer: None for plain decoding.
     """
 
+    AR_CHUNK = 8  # plain greedy decoding: device steps per host synchronisation
+
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                  read_len: str = "auto", graphs: bool = False, compile: bool | str = False):
@@ -207,8 +211,12 @@ class SpecEngine:
                     max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs))
             t_dec = time.perf_counter()
             marks = _Marks(dev)
+            run_ahead = self.proposer is None and self.sampling.greedy
             while any(alive):
-                last = self._step(target, last, alive, rand, result, histories, max_new_tokens, marks)
+                if run_ahead:
+                    last = self._greedy_chunk(target, last, alive, result, histories, max_new_tokens, marks)
+                else:
+                    last = self._step(target, last, alive, rand, result, histories, max_new_tokens, marks)
             marks.mark("end")
             result.decode_s = self._clock() - t_dec
             spans = marks.totals()
@@ -259,6 +267,29 @@ class SpecEngine:
         if self.proposer is not None:
             self.proposer.observe(Outcome(draft, n_acc, res.tokens, torch.tensor(alive, device=dev), target.aux))
         return res.tokens[torch.arange(B, device=dev), n_acc]
+
+    def _greedy_chunk(self, target: CachedLM, last: torch.Tensor, alive: list[bool], result: GenerationResult,
+                      histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
+        """Plain greedy decoding, up to ``AR_CHUNK`` steps per host synchronisation.
+
+        Nothing needs the host between two greedy steps, so the steps run back to back on the
+        device (``CachedLM.greedy_run``) and EOS is checked once per chunk; the chunk never runs
+        past the longest remaining request. The tokens are the ones ``_step`` would emit.
+        """
+        left = max(max_new - len(result.tokens[b]) for b in range(len(alive)) if alive[b])
+        n = min(self.AR_CHUNK, left)
+        marks.mark("verify")
+        toks = target.greedy_run(last, n)  # [batch, n]
+        host = toks.tolist()
+        for b in range(len(alive)):
+            i = 0
+            while alive[b] and i < n:
+                result.row_steps += 1
+                self._emit(b, host[b][i:i + 1], result, histories, alive, max_new)
+                i += 1
+        result.steps += n
+        marks.mark("observe")
+        return toks[:, -1]
 
     def _emit(self, b: int, toks: list[int], result: GenerationResult, histories: list[list[int]],
               alive: list[bool], max_new: int) -> None:

@@ -21,7 +21,8 @@ Contract:
   mask and runs the model; with ``compile=True`` that body is first compiled by
   ``torch.compile`` (kernel fusion; one compiled function per process, shared by every cache),
   then captured. Outside a step the host only reserves the slots (two tiny kernels) and copies
-  the token ids. Mixture-of-experts layers are captured with batched experts
+  the token ids. ``greedy_run`` chains plain greedy steps on the device (a graph that also takes
+  the argmax, feeds it back and commits it), with no host synchronisation between steps. Mixture-of-experts layers are captured with batched experts
   (``graph_safe_experts``).
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
@@ -299,6 +300,7 @@ class CachedLM:
         self._cache_kw = cache_kwarg(model)
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
+        self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
         self._body = lambda ids: _plain_step(self, ids)
         if compile:
             step = _compiled_step(compile if isinstance(compile, str) else "inductor")  # a name: another backend
@@ -363,6 +365,70 @@ class CachedLM:
         with graph_safe_experts(self.model):  # warm-up (and compilation) writes only into reserved, not yet valid slots
             graph, (logits, aux) = capture_graph(lambda: self._body(s_ids), self.device, warmups=3, pool=self._mempool)
         return graph, s_ids, logits, aux
+
+    @torch.no_grad()
+    def greedy_run(self, last: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` plain greedy steps, each fed the previous argmax, with no host synchronisation.
+
+        last: [batch] the token each row feeds first. Returns the argmax of every step [batch, steps]
+        (on the device). Every row keeps every token: a caller that stops a row (EOS, length)
+        ignores its later tokens, which changes nothing for the other rows. With graphs the whole
+        step (slots, positions, mask, forward, argmax, commit) is one CUDA graph replayed
+        ``steps`` times; otherwise the same operations run eagerly.
+        """
+        if self.cache.ptr + steps > self.cache.max_len:
+            raise RuntimeError(f"KV cache full: {self.cache.ptr} + {steps} slots > max_len {self.cache.max_len}")
+        if not self.graphs:
+            ids, toks = last[:, None], []
+            keep = torch.ones(last.shape[0], 1, dtype=torch.bool, device=last.device)
+            for _ in range(steps):
+                ids = self.forward(ids)[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+                self.commit(keep, used=1)
+                toks.append(ids)
+            return torch.cat(toks, dim=1)  # [batch, steps]
+        self.cache.begin(1)
+        if self._greedy is None:
+            self._greedy = self._capture_greedy(last)
+        graph, s_tok, out, counter = self._greedy
+        s_tok.copy_(last[:, None])
+        counter.zero_()
+        for _ in range(steps):
+            graph.replay()
+        self.cache.ptr += steps
+        self.cache.n_pending = 0
+        return out[:, :steps].clone()
+
+    def _capture_greedy(self, last: torch.Tensor) -> tuple:
+        """One CUDA graph of a self-feeding greedy step; the cache state is left as it was."""
+        cache = self.cache
+        s_tok = last[:, None].clone()  # [batch, 1] the token fed in, then the argmax fed back
+        out = torch.zeros(last.shape[0], cache.max_len, dtype=torch.long, device=self.device)  # [batch, steps]
+        counter = torch.zeros(1, dtype=torch.long, device=self.device)
+        slots = cache.write_slots  # the persistent width-1 slot buffer of begin(1)
+
+        def step():
+            torch.add(cache._arange[:1], cache.ptr_dev, out=slots)
+            logits, _ = self._body(s_tok)  # [batch, 1, vocab]
+            tok = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+            s_tok.copy_(tok)
+            out.index_copy_(1, counter, tok)
+            cache.valid.index_fill_(1, cache.ptr_dev.view(1), True)
+            cache.lengths.add_(1)
+            cache.ptr_dev.add_(1)
+            counter.add_(1)
+
+        saved = (cache.valid.clone(), cache.lengths.clone(), cache.ptr_dev.clone(), s_tok.clone())
+
+        def restore():
+            for dst, src in zip((cache.valid, cache.lengths, cache.ptr_dev, s_tok), saved):
+                dst.copy_(src)
+            counter.zero_()
+
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        with graph_safe_experts(self.model):
+            graph, _ = capture_graph(step, self.device, warmups=3, pool=self._mempool, after_each=restore)
+        return graph, s_tok, out, counter
 
     def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
         self.cache.commit(keep, used)

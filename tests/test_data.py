@@ -306,6 +306,27 @@ def test_batches_are_padded_deterministic_and_shard_by_rank(tmp_path, target):
     assert ds.collate([0, 1], pad_to_multiple_of=16).input_ids.shape[1] % 16 == 0
 
 
+def test_length_grouped_batches_cover_the_epoch_with_less_padding(tmp_path, target):
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(64)])
+    build_dataset(target, src, str(tmp_path / "out"), eval_fraction=0.0, progress=False)
+    ds = load_dataset(tmp_path / "out")
+    plain = ds.global_batches(4, seed=3, epoch=0)
+    grouped = ds.global_batches(4, seed=3, epoch=0, group_by_length=8)
+    assert sorted(np.concatenate(grouped).tolist()) == sorted(np.concatenate(plain).tolist())
+    assert [b.tolist() for b in grouped] == [b.tolist() for b in ds.global_batches(4, seed=3, group_by_length=8)]
+    lengths = ds.lengths
+
+    def padded(plan):
+        return sum(len(b) * int(lengths[b].max()) for b in plan)
+
+    assert padded(grouped) < padded(plain)
+    ranks = [list(ds.batches(2, seed=3, rank=r, world_size=2, group_by_length=8)) for r in range(2)]
+    single = list(ds.batches(4, seed=3, group_by_length=8))
+    for step, b in enumerate(single):
+        union = sorted(ranks[0][step].indices.tolist() + ranks[1][step].indices.tolist())
+        assert union == sorted(b.indices.tolist())
+
+
 def test_heldout_conversations_never_reach_training_data(tmp_path, monkeypatch, target):
     monkeypatch.setenv("OUTRIDER_HOME", str(tmp_path / "home"))
     convs = many_conversations(300)

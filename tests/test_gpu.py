@@ -8,6 +8,7 @@ Skipped without CUDA (the ``gpu`` marker).
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -54,3 +55,38 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
     for _ in range(2):  # the second round replays graphs captured in the first
         got = engine.generate(prompts[:1], MAX_NEW).tokens + engine.generate(prompts[1:], MAX_NEW).tokens
         assert got == refs
+
+
+def test_fused_soft_cross_entropy_equals_eager():
+    from outrider.train.ttt import fused_soft_cross_entropy, soft_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (300, 77):  # a second row count: the compiled function is dynamic in N
+        logits = torch.randn(rows, 1000, device="cuda", generator=g).requires_grad_(True)  # [N, V]
+        teacher = 3 * torch.randn(rows, 1000, device="cuda", generator=g, dtype=torch.bfloat16)  # [N, V]
+        ce, agree = soft_cross_entropy(logits, teacher)
+        (grad,) = torch.autograd.grad(ce.sum(), logits)
+        ce_f, agree_f = fused_soft_cross_entropy()(logits, teacher)
+        (grad_f,) = torch.autograd.grad(ce_f.sum(), logits)
+        assert torch.allclose(ce_f, ce, rtol=1e-5, atol=1e-5)
+        assert torch.equal(agree_f, agree)
+        assert torch.allclose(grad_f, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_training_on_cuda_fused_and_eager_agree(tmp_path):
+    from test_trainer import CFG, _conversations
+    from tiny import save_tiny
+
+    from outrider.train.data import build_dataset
+    from outrider.train.trainer import train
+
+    target = save_tiny("llama", tmp_path / "tiny")
+    build_dataset(str(target), str(_conversations(tmp_path / "a.json", 36, 0, 5, 60)), str(tmp_path / "data"),
+                  eval_fraction=0.2, progress=False)
+    cfg = CFG.replace(amp=False, steps=6, eval_every=6, save_every=6)
+    reports = [train(str(target), str(tmp_path / "data"), str(tmp_path / name), config=cfg.replace(compile=fused),
+                     device="cuda", progress=False) for name, fused in (("fused", True), ("eager", False))]
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+               if json.loads(x)["type"] == "train"] for name in ("fused", "eager")]
+    assert all(r.steps == 6 for r in reports) and len(losses[0]) == 6
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)

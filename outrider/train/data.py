@@ -774,20 +774,41 @@ class TokenDataset:
         return Batch(ids, attn, mask, torch.tensor(idx, dtype=torch.long))
 
     def batches(self, batch_size: int, seed: int = 0, epoch: int = 0, start: int = 0, rank: int = 0,
-                world_size: int = 1, drop_last: bool = True, pad_to_multiple_of: int = 1) -> Iterator[Batch]:
+                world_size: int = 1, drop_last: bool = True, pad_to_multiple_of: int = 1,
+                group_by_length: int = 0) -> Iterator[Batch]:
         """Batches of one epoch, from batch number ``start`` (to resume mid-epoch).
 
-        Step ``s`` takes the global batch ``order[s*G:(s+1)*G]`` with ``G = batch_size * world_size``;
-        rank ``r`` gets its elements ``r, r + world_size, ...``. The union over ranks is the batch a
-        single process with ``batch_size = G`` sees. With ``drop_last=False`` the final global batch
-        may be short, and a rank's share of it may be empty.
+        Step ``s`` takes global batch ``s`` of ``global_batches`` (``G = batch_size * world_size``
+        examples each); rank ``r`` gets its elements ``r, r + world_size, ...``. The union over ranks
+        is the batch a single process with ``batch_size = G`` sees. With ``drop_last=False`` the
+        final global batch may be short, and a rank's share of it may be empty.
         """
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batching: batch_size={batch_size} rank={rank} world_size={world_size}")
+        plan = self.global_batches(batch_size * world_size, seed, epoch, drop_last, group_by_length)
+        for s in range(start, len(plan)):
+            yield self.collate(plan[s][rank::world_size], pad_to_multiple_of)
+
+    def global_batches(self, g: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
+                       group_by_length: int = 0) -> list[np.ndarray]:
+        """The example indices of every global batch of ``g`` examples in one epoch.
+
+        Batch ``s`` is ``order[s*g:(s+1)*g]``. With ``group_by_length = m > 1`` each window of ``m``
+        consecutive batches is sorted by length before it is cut (similar lengths share a batch:
+        little padding), and the batches are then shuffled again; a function of (seed, epoch).
+        """
         order = self.order(seed, epoch)
-        g = batch_size * world_size
-        for s in range(start, self.num_batches(batch_size, world_size, drop_last)):
-            yield self.collate(order[s * g: (s + 1) * g][rank::world_size], pad_to_multiple_of)
+        full = len(self) // g * g
+        if group_by_length > 1:
+            lengths = self.lengths
+            windows = [order[i:min(i + group_by_length * g, full)] for i in range(0, full, group_by_length * g)]
+            order = np.concatenate([w[np.argsort(lengths[w], kind="stable")] for w in windows] + [order[full:]])
+        plan = [order[i:i + g] for i in range(0, full, g)]
+        if group_by_length > 1:
+            plan = [plan[i] for i in np.random.default_rng([int(seed), int(epoch), 1]).permutation(len(plan))]
+        if not drop_last and full < len(self):
+            plan.append(order[full:])
+        return plan
 
 
 def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:

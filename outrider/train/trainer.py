@@ -166,18 +166,18 @@ def tau_at(acc: Sequence[float], k: int) -> float:
 class _Objective(nn.Module):
     """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
 
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int):
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool = False):
         super().__init__()
         self.head = head
         self._embedding = (embedding,)  # the target's, frozen; not a submodule (DDP must not see it)
-        self.ttt_steps = ttt_steps
+        self.ttt_steps, self.fused = ttt_steps, fused
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor, weights: Sequence[float]):
         # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
         # teacher: [batch, seq, draft_vocab]
         return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.ttt_steps, weights=list(weights), reduction="sum")
+                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused)
 
 
 class _Sums:
@@ -315,8 +315,9 @@ class _Cursor:
     """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by ``seed``)."""
 
     def __init__(self, ds: TokenDataset, batch_size: int, env: dist.DistEnv, seed: int, epoch: int = 0,
-                 batch: int = 0):
+                 batch: int = 0, group_by_length: int = 0):
         self.ds, self.batch_size, self.env, self.seed = ds, batch_size, env, seed
+        self.group_by_length = group_by_length
         self.epoch, self.batch = epoch, batch
         self.per_epoch = ds.num_batches(batch_size, env.world_size)
         self._it: Iterator[Batch] | None = None
@@ -326,7 +327,8 @@ class _Cursor:
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
         if self._it is None:
             self._it = self.ds.batches(self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch,
-                                       rank=self.env.rank, world_size=self.env.world_size)
+                                       rank=self.env.rank, world_size=self.env.world_size,
+                                       group_by_length=self.group_by_length)
         self.batch += 1
         return next(self._it)
 
@@ -519,12 +521,13 @@ class _Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
         self.autocast = env.device.type == "cuda" and cfg.amp
+        self.fused = env.device.type == "cuda" and cfg.compile
         self.flops_per_token_target = self._target_flops_per_token()
         self.peak, self.mfu_note = _peak_flops(env.device)
 
         # -- state: fresh or resumed
         self.step, self.best_step, self.best_score = 0, 0, -math.inf
-        self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, cfg.seed)
+        self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, cfg.seed, group_by_length=cfg.group_by_length)
         self.last_eval: dict[str, Any] = {}
         self.window = _Sums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
         if self.resume_state is not None:
@@ -534,7 +537,7 @@ class _Trainer:
             self.step, self.best_step, self.best_score = int(s["step"]), int(s["best_step"]), float(s["best_score"])
             pos = s["position"]
             self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, int(pos["seed"]), int(pos["epoch"]),
-                                  int(pos["batch"]))
+                                  int(pos["batch"]), cfg.group_by_length)
             self.last_eval = s.get("last_eval") or {}
             w = s["window"]
             self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
@@ -626,7 +629,7 @@ class _Trainer:
         if env.is_main:
             self._prepare_out()
         dist.barrier(env)
-        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps), env)
+        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
         train_s, tokens_seen, flops = 0.0, 0, 0.0
         if self.resume_state is not None:

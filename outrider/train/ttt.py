@@ -97,7 +97,7 @@ def step_weights(steps: int, decay: float = 0.8) -> list[float]:
 def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], aux: torch.Tensor,
              input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
-             weights: Sequence[float] | None = None, reduction: str = "mean") -> TTTOutput:
+             weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool = False) -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
 
     head:           the EAGLE-3 head being trained
@@ -109,6 +109,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     attention_mask: [batch, S] 1 on real tokens (None = all real)
     weights:        per-step loss weights; default ``decay**i``
     reduction:      "mean" (each step averaged over its positions) or "sum"
+    fused:          compute the loss with ``torch.compile`` (one pass over the logits; CUDA)
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
@@ -120,6 +121,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     if len(w) != steps:
         raise ValueError(f"{len(w)} step weights for {steps} steps")
     device = input_ids.device
+    loss_fn = fused_soft_cross_entropy() if fused else soft_cross_entropy
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     learn = loss_mask.bool() & real  # [B, S]
     positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
@@ -140,18 +142,16 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         if S > shift + 1:
             counted[:, : S - shift - 1] = learn[:, shift + 1:] & real[:, : S - shift - 1]
         b, t = counted.nonzero(as_tuple=True)
-        logq = F.log_softmax(head.compute_logits(hidden[b, t]).float(), dim=-1)  # [N, draft_vocab]
-        target = teacher[b, t + shift].float()  # [N, draft_vocab]
-        ce = -(F.softmax(target, dim=-1) * logq).sum(-1)  # [N]
+        ce, agree = loss_fn(head.compute_logits(hidden[b, t]), teacher[b, t + shift])  # [N], [N]
         n = ce.numel()
         step_loss = ce.sum() / max(n, 1) if reduction == "mean" else ce.sum()
         total = total + w[i] * step_loss
         losses.append(ce.detach().sum() / max(n, 1))
         counts.append(n)
-        correct.append(int((logq.detach().argmax(-1) == target.argmax(-1)).sum()))
+        correct.append(agree.sum())
 
     per_step_tokens = torch.tensor(counts, dtype=torch.long)
-    per_step_correct = torch.tensor(correct, dtype=torch.long)
+    per_step_correct = torch.stack(correct).cpu()
     acc = per_step_correct.double() / per_step_tokens.clamp_min(1).double()
     return TTTOutput(
         loss=total,
@@ -164,6 +164,26 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     )
 
 
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-sum_v p(v) log q(v)`` per row, ``p = softmax(teacher)``, ``q = softmax(logits)``, in float32,
+    and whether the argmaxes agree. logits, teacher: [N, V] -> ([N] float32, [N] bool)."""
+    logq = F.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ce = -(F.softmax(teacher.float(), dim=-1) * logq).sum(-1)  # [N]
+    return ce, logq.detach().argmax(-1) == teacher.argmax(-1)
+
+
+_FUSED: list = []
+
+
+def fused_soft_cross_entropy():
+    """``soft_cross_entropy`` compiled by ``torch.compile`` (once per process, dynamic row count):
+    the softmaxes, the product and the reductions fuse into a few passes over the logits, in
+    the forward and the backward, instead of one materialised float32 tensor per operation."""
+    if not _FUSED:
+        _FUSED.append(torch.compile(soft_cross_entropy, dynamic=True))
+    return _FUSED[0]
+
+
 class TTTModule(torch.nn.Module):
     """``ttt_loss`` as one module forward, so that DDP/FSDP can wrap it (one forward per backward).
 
@@ -172,16 +192,18 @@ class TTTModule(torch.nn.Module):
     """
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], steps: int = 7,
-                 decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean"):
+                 decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean",
+                 fused: bool = False):
         super().__init__()
         self.head = head
         self._embed = (embed,)
-        self.steps, self.decay, self.weights, self.reduction = steps, decay, weights, reduction
+        self.steps, self.decay, self.weights, self.reduction, self.fused = steps, decay, weights, reduction, fused
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction)
+                        steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction,
+                        fused=self.fused)
 
 
 def simulated_accept_len(acc: torch.Tensor) -> torch.Tensor:
