@@ -42,7 +42,8 @@ def test_gloo_two_processes_match_one_process(tmp_path):
                   progress=False)
     # global batch 8 = 2 sequences x 2 processes x 2 accumulation steps = 4 x 1 process x 2
     base = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=40, lr=2e-3, warmup_steps=1, ttt_steps=3,
-                       draft_vocab_size=40, eval_every=2, save_every=2, eval_examples=4, aux_layer_ids=(1, 2, 3))
+                       draft_vocab_size=40, eval_every=2, save_every=2, eval_examples=4, aux_layer_ids=(1, 2, 3),
+                       group_by_length=8)  # length-grouped batches, as the presets use
     two_cfg = base.save(tmp_path / "two.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "outrider",
            "train", str(target), "--data", str(data), "--out", str(tmp_path / "two"), "--config", str(two_cfg),
@@ -56,8 +57,10 @@ def test_gloo_two_processes_match_one_process(tmp_path):
 
     a = load_file(str(tmp_path / "one" / "last" / "head" / "model.safetensors"))
     b = load_file(str(tmp_path / "two" / "last" / "head" / "model.safetensors"))
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=5e-5), k
+    for k in a:  # Adam divides by sqrt(v): an entry whose gradient is ~0 can amplify float noise to ~lr,
+        # so the bound is on the whole tensor (a wrong batch or reduction moves it by ~lr everywhere)
+        diff = a[k].float() - b[k].float()
+        assert float(diff.norm()) <= 1e-4 * float(a[k].float().norm()) and float(diff.abs().max()) < 2e-4, k
     rec = {}
     for run in ("one", "two"):
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()

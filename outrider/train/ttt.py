@@ -126,11 +126,12 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     learn = loss_mask.bool() & real  # [B, S]
     positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
 
+    dtype = head.fc.weight.dtype  # a bf16 target may feed a float32 head (autocast recasts as it needs)
     with torch.no_grad():
-        tokens = embed(input_ids)  # [B, S, H]
+        tokens = embed(input_ids).to(dtype)  # [B, S, H]
     mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
     kv = StepKV()
-    hidden = head.fuse(aux)  # [B, S, H]
+    hidden = head.fuse(aux.to(dtype))  # [B, S, H]
     total = hidden.new_zeros(())
     losses, counts, correct = [], [], []
     for i in range(steps):
