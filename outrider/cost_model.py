@@ -132,6 +132,8 @@ class HardwareProfile:
     draft forwards included: the floor of small kernels that bandwidth alone does not explain.
     ``token_overhead_s`` is paid per new token of a target forward (n * b): host-side and
     elementwise work that grows with the tokens a step verifies (masks, sampling, acceptance).
+    ``verify_overhead_s`` is paid once per verification step (n > 1): the host round trip that
+    acceptance needs, which plain decoding avoids by running its steps back to back.
     """
 
     name: str
@@ -152,6 +154,7 @@ class HardwareProfile:
     step_overhead_s: float = 100e-6
     layer_overhead_s: float = 20e-6
     token_overhead_s: float = 0.0
+    verify_overhead_s: float = 0.0
     collectives_per_layer: float = 2.0
     notes: str = ""
 
@@ -202,7 +205,8 @@ def profile_from_dict(data: Any, origin: str = "hardware profile") -> HardwarePr
         v = float(v)
         if f.name in _FRACTIONS and not 0 < v <= 1:
             raise UserError(f"{origin}: '{f.name}' must be in (0, 1], got {v}")
-        if f.name in ("step_overhead_s", "layer_overhead_s", "token_overhead_s", "link_latency_s"):
+        if f.name in ("step_overhead_s", "layer_overhead_s", "token_overhead_s", "verify_overhead_s",
+                      "link_latency_s"):
             if v < 0:
                 raise UserError(f"{origin}: '{f.name}' must be >= 0, got {v}")
         elif v <= 0:
@@ -485,6 +489,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: i
     terms.append(Term("fixed overhead", forward_overhead_s(shape, hw, include_step_overhead), bound="overhead"))
     if include_step_overhead and hw.token_overhead_s:
         terms.append(Term("per-token overhead", hw.token_overhead_s * m, bound="overhead"))
+    if include_step_overhead and hw.verify_overhead_s and new_tokens > 1:
+        terms.append(Term("acceptance round trip", hw.verify_overhead_s, bound="overhead"))
     return StepCost(tuple(terms), new_tokens, batch, context)
 
 
@@ -631,7 +637,8 @@ class Acceptance:
         Rates may be conditional (a_i = P(draft i accepted | 1..i-1 accepted)) or unconditional
         (u_i = P(at least i drafts accepted)); the one whose expected tokens match the record's
         ``tau`` is taken, conditional when there is no tau. Unconditional rates are converted
-        with a_i = u_i / u_{i-1}.
+        with a_i = u_i / u_{i-1}. Rates per proposed draft (bench's) that give more tokens than the
+        measured ``tau`` (steps without a proposal) get a first-position gate so that they give ``tau``.
         """
         method = record.get("method", "?")
         rates = record.get("accept_rate_per_pos")
@@ -657,6 +664,13 @@ class Acceptance:
                 for u in rates_f:
                     conditional.append(min(1.0, u / prev) if prev > 0 else 0.0)
                     prev = u
+        if tau is not None and conditional:
+            # rates counted per *proposed* draft overstate a proposer that often proposes nothing
+            # (n-gram without a match): a first-position gate g = P(a draft is proposed) restores the
+            # measured tokens per step, 1 + g * (E - 1)
+            e = expected_tokens_chain(conditional)
+            if 1.0 <= float(tau) < e - 1e-6:
+                conditional[0] *= (float(tau) - 1.0) / (e - 1.0)
         return cls(tuple(conditional), source=f"{origin}: {method} k={record.get('k', len(rates_f))}")
 
 
@@ -739,6 +753,7 @@ class Calibration:
     collectives_per_layer: float | None = None
     draft_round_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)  # method -> k -> s
     token_overhead_s: float = 0.0
+    verify_overhead_s: float = 0.0
     points: tuple[tuple[int, int, float, float], ...] = ()  # (new_tokens, batch, measured_s, fitted_s)
     source: str = ""
 
@@ -749,7 +764,8 @@ class Calibration:
     def apply(self, hw: HardwareProfile) -> HardwareProfile:
         changes: dict[str, Any] = dict(memory_efficiency=self.memory_efficiency, compute_efficiency=self.compute_efficiency,
                                        step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
-                                       token_overhead_s=self.token_overhead_s)
+                                       token_overhead_s=self.token_overhead_s,
+                                       verify_overhead_s=self.verify_overhead_s)
         if self.link_latency_s is not None:
             changes["link_latency_s"] = self.link_latency_s
         if self.collectives_per_layer is not None:
@@ -759,7 +775,8 @@ class Calibration:
     def summary(self) -> str:
         text = (f"calibrated ({self.source}): memory efficiency {self.memory_efficiency:.2f}, compute efficiency "
                 f"{self.compute_efficiency:.2f}, overhead {self.step_overhead_s * 1e3:.3f} ms/step + "
-                f"{self.layer_overhead_s * 1e6:.1f} us/layer + {self.token_overhead_s * 1e6:.1f} us/token")
+                f"{self.layer_overhead_s * 1e6:.1f} us/layer + {self.token_overhead_s * 1e6:.1f} us/token + "
+                f"{self.verify_overhead_s * 1e3:.3f} ms/verification")
         if self.points:
             text += f"; worst step-time residual {self.max_relative_error:.1%} over {len(self.points)} points"
         return text
@@ -832,22 +849,33 @@ def _split_overhead(total_s: float, shape: ModelShape, hw: HardwareProfile) -> t
     return step, (total_s - step) / (shape.num_layers + 1)
 
 
-def _fit_overheads(resid: list[float], tokens: list[int], weights: list[float], per_token: bool) -> tuple[float, float]:
-    """Weighted least squares of ``resid ~ O + T * tokens`` with ``O, T >= 0`` (T = 0 unless per_token)."""
-    sw = sum(weights)
-    mean_r = sum(w * r for w, r in zip(weights, resid)) / sw
-    if not per_token:
-        return max(0.0, mean_r), 0.0
-    mean_m = sum(w * m for w, m in zip(weights, tokens)) / sw
-    var = sum(w * (m - mean_m) ** 2 for w, m in zip(weights, tokens))
-    cov = sum(w * (m - mean_m) * (r - mean_r) for w, m, r in zip(weights, tokens, resid))
-    token_s = max(0.0, cov / var)
-    overhead = mean_r - token_s * mean_m
-    if overhead < 0:  # the clipped fit: no fixed part, T alone through the origin
-        overhead = 0.0
-        token_s = max(0.0, sum(w * m * r for w, m, r in zip(weights, tokens, resid))
-                      / sum(w * m * m for w, m in zip(weights, tokens)))
-    return overhead, token_s
+def _fit_overheads(resid: list[float], regressors: list[list[float]], weights: list[float]) -> list[float]:
+    """Weighted least squares of ``resid ~ sum_j c_j * x_j`` with every ``c_j >= 0``.
+
+    regressors: per point, the values of the terms (e.g. 1, new tokens, is-verification). Tries
+    every subset of the terms (there are at most three), fits it by its normal equations, keeps
+    the non-negative fits and returns the best one's coefficients (0 for terms left out).
+    """
+    import itertools
+
+    import numpy as np
+
+    x = np.asarray(regressors, dtype=float)  # [points, terms]
+    y = np.asarray(resid, dtype=float)
+    sw = np.sqrt(np.asarray(weights, dtype=float))
+    best, best_loss = [0.0] * x.shape[1], float(np.sum((sw * y) ** 2))
+    for r in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), r):
+            a = x[:, cols] * sw[:, None]
+            coef, *_ = np.linalg.lstsq(a, sw * y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            loss = float(np.sum((a @ coef - sw * y) ** 2))
+            if loss < best_loss * (1 - 1e-12):
+                best_loss, best = loss, [0.0] * x.shape[1]
+                for c, v in zip(cols, coef):
+                    best[c] = float(v)
+    return best
 
 
 def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile, tp: int = 1,
@@ -861,10 +889,12 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method.
     Measured speedups are never read.
 
-    Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O
-    plus a per-token overhead T times the step's new tokens (weighted least squares on relative
-    error, O and T clipped at 0; T only where the points hold more than one token count); the
-    pair minimising the squared relative error wins, ties going to the higher efficiencies. The
+    Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O,
+    plus a per-token overhead T times the step's new tokens (where the points hold more than one
+    token count), plus a per-verification overhead V on steps of n > 1 (where plain steps and
+    several verification widths were measured): weighted least squares on relative error, every
+    term >= 0; the pair minimising the squared relative error wins, ties going to the higher
+    efficiencies. The
     AllReduce term keeps the profile's link latency and bandwidth (give ``allreduce_share``
     through ``calibrate_measured`` to fit it).
     """
@@ -885,22 +915,34 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
         prepared.append((parts, fixed, measured, n * b))
     grid = [10 ** (-2 + 2 * i / 60) for i in range(60, -1, -1)]  # 1.0 down to 0.01
     weights = [1.0 / (y * y) for _, _, y, _ in prepared]
+    # overhead terms: fixed per step; per new token (when the points hold several token counts);
+    # per verification (when there are plain steps to set it against)
     tokens = [m for *_, m in prepared]
-    per_token = len(set(tokens)) > 1
-    best: tuple[float, float, float, float, float] | None = None  # loss, eta_m, eta_c, overhead, per token
+    verifying = [1.0 if n > 1 else 0.0 for n, *_ in points]
+    columns = [[1.0] * len(points)]
+    if len(set(tokens)) > 1:
+        columns.append([float(m) for m in tokens])
+    if 0 < sum(verifying) < len(verifying) and len({m for m, v in zip(tokens, verifying) if v}) > 1:
+        columns.append(verifying)
+    regressors = [list(row) for row in zip(*columns)]
+    best: tuple[float, float, float, list[float]] | None = None  # loss, eta_m, eta_c, overhead coefficients
     for eta_m in grid:
         for eta_c in grid:
             modelled = [fixed + sum(max(tm / eta_m, tc / eta_c) for tm, tc in parts) for parts, fixed, _, _ in prepared]
             resid = [y - x for x, (_, _, y, _) in zip(modelled, prepared)]
-            overhead, token_s = _fit_overheads(resid, tokens, weights, per_token)
-            loss = sum(((x + overhead + token_s * m - y) / y) ** 2
-                       for x, m, (_, _, y, _) in zip(modelled, tokens, prepared))
+            coef = _fit_overheads(resid, regressors, weights)
+            loss = sum(((x + sum(c * v for c, v in zip(coef, row)) - y) / y) ** 2
+                       for x, row, (_, _, y, _) in zip(modelled, regressors, prepared))
             if best is None or loss < best[0] * (1 - 1e-9):
-                best = (loss, eta_m, eta_c, overhead, token_s)
+                best = (loss, eta_m, eta_c, coef)
     assert best is not None
-    _, eta_m, eta_c, overhead, token_s = best
+    _, eta_m, eta_c, coef = best
+    overhead = coef[0]
+    token_s = coef[1] if len(columns) > 1 and columns[1] is not verifying else 0.0
+    verify_s = coef[-1] if columns[-1] is verifying else 0.0
     step_s, layer_s = _split_overhead(overhead, shape, hw)
-    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin, token_overhead_s=token_s)
+    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin, token_overhead_s=token_s,
+                      verify_overhead_s=verify_s)
     fitted_hw = cal.apply(hw)
     residuals = tuple((n, b, y, step_cost(shape, fitted_hw, tp, n, b, c).total_s) for n, b, c, y in points)
     return replace(cal, points=residuals)

@@ -96,6 +96,11 @@ def test_acceptance_from_record_tells_conditional_from_unconditional():
                                      "tau": 2.82})
     assert uncond.rates == pytest.approx((0.8, 0.75, 0.7))
     assert uncond.expected_tokens(3) == pytest.approx(2.82)
+    # rates per proposed draft from a proposer that proposes in 55 % of the steps: gated to tau
+    gated = Acceptance.from_record({"method": "ngram", "k": 2, "accept_rate_per_pos": [0.36, 0.5],
+                                    "tau": 1 + 0.55 * (0.36 + 0.36 * 0.5)})
+    assert gated.expected_tokens(2) == pytest.approx(1 + 0.55 * 0.54)
+    assert gated.rates[1] == pytest.approx(0.5)
     only_tau = Acceptance.from_record({"method": "ngram", "k": 4, "tau": 1.5})
     assert only_tau.expected_tokens(4) == pytest.approx(1.5)
     for bad in ({"method": "x", "k": 3}, {"method": "x", "accept_rate_per_pos": [1.5]},
@@ -293,6 +298,20 @@ def test_calibration_recovers_step_times(smol):
     for n in (1, 3, 8):
         want = step_cost(smol, truth, 1, n, 8, 512).total_s
         assert step_cost(smol, fitted, 1, n, 8, 512).total_s == pytest.approx(want, rel=0.02)
+
+
+def test_calibration_recovers_a_verification_round_trip(smol):
+    """Plain steps pipelined (no host round trip), verification steps paying one: the fit names it."""
+    hw = load_profile("h200")
+    truth = replace(hw, memory_efficiency=0.3, compute_efficiency=0.3, token_overhead_s=50e-6, verify_overhead_s=4e-4)
+    cal = calibrate(_records(smol, truth, 1, 512), smol, hw, tp=1, context=512)
+    assert cal.max_relative_error < 0.02
+    assert cal.verify_overhead_s == pytest.approx(4e-4, rel=0.15)
+    assert step_cost(smol, cal.apply(hw), 1, 1, 1, 512).term_s("acceptance round trip") == 0.0
+    fitted = cal.apply(hw)
+    for n in (1, 2, 5, 8):
+        want = step_cost(smol, truth, 1, n, 1, 512).total_s
+        assert step_cost(smol, fitted, 1, n, 1, 512).total_s == pytest.approx(want, rel=0.03)
 
 
 def test_calibration_needs_step_times(smol):
