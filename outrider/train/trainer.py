@@ -311,6 +311,12 @@ def _peak_flops(device: torch.device) -> tuple[float | None, str]:
     return None, f"MFU skipped: the bf16 peak of '{name}' is not known"
 
 
+# On CUDA, batch widths are padded to a multiple of this: attention backends (cuDNN) build an
+# execution plan per shape, which cost ~30 ms of host time per new width and TTT step in a profile
+# of length-grouped batches (every batch a new width); 16 widths up to 1024 keep them cached.
+PAD_MULTIPLE_CUDA = 64
+
+
 class _Cursor:
     """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by ``seed``)."""
 
@@ -318,6 +324,7 @@ class _Cursor:
                  batch: int = 0, group_by_length: int = 0):
         self.ds, self.batch_size, self.env, self.seed = ds, batch_size, env, seed
         self.group_by_length = group_by_length
+        self.pad = PAD_MULTIPLE_CUDA if env.device.type == "cuda" else 1
         self.epoch, self.batch = epoch, batch
         self.per_epoch = ds.num_batches(batch_size, env.world_size)
         self._it: Iterator[Batch] | None = None
@@ -328,7 +335,7 @@ class _Cursor:
         if self._it is None:
             self._it = self.ds.batches(self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch,
                                        rank=self.env.rank, world_size=self.env.world_size,
-                                       group_by_length=self.group_by_length)
+                                       group_by_length=self.group_by_length, pad_to_multiple_of=self.pad)
         self.batch += 1
         return next(self._it)
 
@@ -741,7 +748,7 @@ class _Trainer:
             idx = order[start: start + g][env.rank::env.world_size]
             if not idx:
                 continue
-            batch = _cut(self.eval_ds.collate(idx), cfg.max_length).to(env.device)
+            batch = _cut(self.eval_ds.collate(idx, self.cursor.pad), cfg.max_length).to(env.device)
             captured = self.capture(batch.input_ids, batch.attention_mask)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
