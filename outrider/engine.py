@@ -16,7 +16,9 @@ verification) as a CUDA graph over a static cache that is reused across calls, a
 proposer capture its own steps (EAGLE-3 does). ``compile=True`` fuses the target step with
 ``torch.compile`` first (on the CPU it runs compiled without graphs). Plain greedy decoding needs
 no host decision between steps: it runs ``AR_CHUNK`` steps per synchronisation (one graph per
-step that feeds its own argmax back), checking EOS once per chunk.
+step that feeds its own argmax back), checking EOS once per chunk. A proposer that works on the
+device alone (``device_side``, EAGLE-3) is pipelined on CUDA: the next draft is launched behind
+the verification, before the host reads the outcome, so the host's bookkeeping overlaps it.
 
 Not done here: continuous batching (requests join only at prefill), trees, prompt caching
 across calls.
@@ -140,6 +142,7 @@ class SpecEngine:
         self.graphs = graphs and self.device.type == "cuda"
         self.compile = compile
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
+        self._next: Draft | None = None  # a draft already launched for the next step (pipelined proposers)
 
     def _target_lm(self, B: int, max_len: int, aux_ids) -> CachedLM:
         if not (self.graphs or self.compile):
@@ -210,6 +213,7 @@ class SpecEngine:
                     histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
                     max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs))
             t_dec = time.perf_counter()
+            self._next = None
             marks = _Marks(dev)
             run_ahead = self.proposer is None and self.sampling.greedy
             while any(alive):
@@ -232,11 +236,15 @@ class SpecEngine:
               result: GenerationResult, histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
         B, dev = last.shape[0], last.device
         active = torch.tensor(alive, device=dev)
-        marks.mark("propose")
         if self.proposer is not None:
-            draft = self.proposer.propose(self.k)
+            if self._next is None:
+                marks.mark("propose")
+                draft = self.proposer.propose(self.k)
+            else:  # launched at the end of the previous step
+                draft, self._next = self._next, None
             draft.num = torch.where(active, draft.num, torch.zeros_like(draft.num))
         else:
+            marks.mark("propose")
             draft = Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
         marks.mark("verify")
         inputs = torch.cat([last[:, None], draft.tokens], dim=1)  # [batch, k+1]
@@ -249,10 +257,27 @@ class SpecEngine:
             res = verify_sampling(draft.tokens, draft.num, draft.q, probs(logits, self.sampling), u[:, :kk], u[:, kk])
         n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))
         # the one host synchronisation of the step: accepted counts, output tokens, draft sizes
-        host = torch.cat([n_acc[:, None], draft.num[:, None], res.tokens], dim=1).tolist()
-        n_list = [row[0] for row in host]
+        packed = torch.cat([n_acc[:, None], draft.num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
         keep = (torch.arange(kk + 1, device=dev)[None, :] <= n_acc[:, None]) & active[:, None]
-        target.commit(keep, used=max((n + 1 for n, a in zip(n_list, alive) if a), default=0))
+        ahead = self._ahead(target)
+        if ahead:  # the next draft is launched before the host waits for this step's outcome
+            cuda = dev.type == "cuda"
+            on_host = packed.to("cpu", non_blocking=True) if cuda else packed
+            ready = torch.cuda.Event() if cuda else None
+            if ready is not None:
+                ready.record()
+            target.commit(keep, used=kk + 1)  # slots past the accepted ones stay masked: no host value needed
+            marks.mark("observe")
+            self.proposer.observe(Outcome(draft, n_acc, res.tokens, active, target.aux))
+            marks.mark("propose")
+            self._next = self.proposer.propose(self.k)
+            if ready is not None:
+                ready.synchronize()
+            host = on_host.tolist()
+        else:
+            host = packed.tolist()
+            n_list = [row[0] for row in host]
+            target.commit(keep, used=max((n + 1 for n, a in zip(n_list, alive) if a), default=0))
         for b in range(B):
             if not alive[b]:
                 continue
@@ -263,10 +288,16 @@ class SpecEngine:
                 result.accepted[i] += int(n > i)
             self._emit(b, toks[:n + 1], result, histories, alive, max_new)
         result.steps += 1
-        marks.mark("observe")
-        if self.proposer is not None:
+        if self.proposer is not None and not ahead:
+            marks.mark("observe")
             self.proposer.observe(Outcome(draft, n_acc, res.tokens, torch.tensor(alive, device=dev), target.aux))
         return res.tokens[torch.arange(B, device=dev), n_acc]
+
+    def _ahead(self, target: CachedLM) -> bool:
+        """Pipeline the next draft behind this step's verification? Only for a proposer that needs
+        nothing from the host (``device_side``), over a static cache (whose spare slots absorb a
+        commit that does not know how many drafts were accepted; graphs or compile)."""
+        return self.proposer is not None and getattr(self.proposer, "device_side", False) and target.cache.static
 
     def _greedy_chunk(self, target: CachedLM, last: torch.Tensor, alive: list[bool], result: GenerationResult,
                       histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from outrider.engine import SpecEngine
 from outrider.errors import UserError
 from outrider.proposers.draft_model import DraftModelProposer
+from outrider.proposers.eagle3 import Eagle3Proposer
 from outrider.proposers.ngram import NgramProposer
 from outrider.sampling import SamplingParams
 
@@ -54,14 +55,18 @@ def test_greedy_equals_transformers(tiny_kind, tiny_models, refs, method, batch)
     assert got == expected
 
 
-@pytest.mark.parametrize("method", ["ar", "ngram"])
+@pytest.mark.parametrize("method", ["ar", "ngram", "eagle3"])
 @pytest.mark.parametrize("variant", ["static", "compiled"])
 def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, refs, method, variant):
     """The GPU-shaped paths on the CPU: the whole-buffer cache whose mask is built from the
     device-side slot pointer, and the step traced by torch.compile (aot_eager: the same graph
-    capture as inductor, without code generation)."""
+    capture as inductor, without code generation). EAGLE-3 is pipelined there (its next draft
+    runs before the host reads the outcome; commits leave unused slots masked)."""
+    from test_eagle3_proposer import _head
+
     model = tiny_models(tiny_kind)
-    proposer = NgramProposer(1, 3) if method == "ngram" else None
+    proposer = {"ar": None, "ngram": NgramProposer(1, 3),
+                "eagle3": Eagle3Proposer(_head(model), model) if method == "eagle3" else None}[method]
     options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
     engine = SpecEngine(model, proposer, k=3, **options)
     prompts, expected = _prompts(), refs(tiny_kind)

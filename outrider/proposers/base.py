@@ -42,7 +42,7 @@ class Outcome:
     draft: Draft
     num_accepted: torch.Tensor  # [batch]
     tokens: torch.Tensor  # [batch, k+1]; row b emitted tokens[b, :num_accepted[b]+1]
-    active: torch.Tensor  # [batch] bool, rows still generating after this step
+    active: torch.Tensor  # [batch] bool, rows still generating after this step (during it, for device_side)
     target_aux: torch.Tensor | None = None  # [batch, k+1, n_aux*hidden] aux at the verify inputs
 
 
@@ -51,6 +51,9 @@ class Proposer:
 
     name = "base"
     aux_layer_ids: tuple[int, ...] | None = None  # set when the proposer needs target hidden states
+    # True: observe/propose use device tensors only, so the engine may call them before the host
+    # has read the step's outcome (``Outcome.active`` is then the rows active during the step)
+    device_side = False
 
     def start(self, ctx: StartContext) -> None:
         self.ctx = ctx

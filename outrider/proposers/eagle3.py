@@ -67,6 +67,7 @@ class HeadCache:
 
 class Eagle3Proposer(Proposer):
     name = "eagle3"
+    device_side = True
 
     def __init__(self, head: torch.nn.Module, target: torch.nn.Module):
         self.head = head
