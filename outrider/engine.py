@@ -211,7 +211,7 @@ class SpecEngine:
             if self.proposer is not None:
                 self.proposer.start(StartContext(
                     histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
-                    max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs))
+                    max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs, compile=self.compile))
             t_dec = time.perf_counter()
             self._next = None
             marks = _Marks(dev)

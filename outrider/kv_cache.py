@@ -266,11 +266,17 @@ def _compiled_step(backend: str):
     first change, which keeps recompilation to a handful.
     """
     if backend not in _COMPILED:
-        import torch._dynamo
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED[backend] = torch.compile(_plain_step, backend=backend, dynamic=None, fullgraph=False)
+        _COMPILED[backend] = compiled(_plain_step, backend)
     return _COMPILED[backend]
+
+
+def compiled(fn: Callable, backend: str) -> Callable:
+    """``fn`` compiled by ``torch.compile`` with ``backend``; shapes become dynamic after their
+    first change, and the recompilation limit is raised for the widths and batch sizes we use."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, backend=backend, dynamic=None, fullgraph=False)
 
 
 def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:

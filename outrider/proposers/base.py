@@ -35,6 +35,7 @@ class StartContext:
     target_aux: torch.Tensor | None = None  # [batch, P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     graphs: bool = False  # the engine replays CUDA graphs; a proposer may capture its own steps too
+    compile: bool | str = False  # the engine fuses its step with torch.compile (a str: the backend); so may a proposer
 
 
 @dataclass

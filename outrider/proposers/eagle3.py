@@ -14,7 +14,9 @@ position s, and a query at position p sees slots <= p. Entries of real positions
 committed (``lengths``); speculative entries of the chain sit past them and are overwritten by
 the real features of the same positions, so a rejection needs no rollback and no host value
 changes from step to step. On CUDA with ``graphs=True`` and greedy drafting, one ``propose``
-(the pending step, k-1 chain steps, k draws) replays as one CUDA graph per (batch, k).
+(the pending step, k-1 chain steps, k draws) replays as one CUDA graph per (batch, k); when the
+engine compiles its step, the head's layer and the greedy draw are fused by ``torch.compile``
+first.
 
 Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled drafting.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.kv_cache import capture_graph
+from outrider.kv_cache import capture_graph, compiled
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, probs, sample
 
@@ -74,6 +76,7 @@ class Eagle3Proposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
+        self._fused: dict[str, tuple] = {}  # backend -> (compiled layer, compiled greedy draw)
 
     @classmethod
     def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
@@ -97,6 +100,12 @@ class Eagle3Proposer(Proposer):
             self.cache = HeadCache(B, size, self.dev)
             self._graphs: dict[tuple[int, int, int], tuple] = {}
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
+        self._layer, self._greedy_draw = self.head.forward_hidden, self._draw_greedy
+        if ctx.compile:  # the head's layer and the greedy draw fused by torch.compile (then captured in graphs)
+            backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
+            if backend not in self._fused:  # compiled once per proposer and backend
+                self._fused[backend] = (compiled(self.head.forward_hidden, backend), compiled(self._draw_greedy, backend))
+            self._layer, self._greedy_draw = self._fused[backend]
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)
@@ -111,10 +120,15 @@ class Eagle3Proposer(Proposer):
         self.pending = (ctx.target_aux.gather(1, idx[..., None].expand(-1, -1, ctx.target_aux.shape[-1])),
                         nxt.gather(1, idx), valid.gather(1, idx))
 
-    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # logits: [batch, draft_vocab] -> target ids [batch], q over the target vocab or None
+    def _draw_greedy(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [batch, H] hidden_out -> the draft's argmax as target ids [batch]
+        return self.head.map_to_target(self.head.compute_logits(h).argmax(-1))
+
+    def _draw(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # h: [batch, H] hidden_out -> target ids [batch], q over the target vocab or None
         if self.ctx.sampling.greedy:
-            return self.head.map_to_target(logits.argmax(-1)), None
+            return self._greedy_draw(h), None
+        logits = self.head.compute_logits(h)  # [batch, draft_vocab]
         qd = probs(logits, self.ctx.sampling)  # [batch, draft_vocab]
         d = sample(qd, self.rand.uniform(1, qd.device)[:, 0])
         q = qd.new_zeros(qd.shape[0], self.vocab)
@@ -131,7 +145,7 @@ class Eagle3Proposer(Proposer):
         positions = self.cache.lengths[:, None] + valid.long().cumsum(1) - 1 + max(ahead - 1, 0)  # [batch, n]
         self.cache.write = torch.where(valid, positions, self.cache.max_len)
         mask = self.cache.mask(positions, valid)
-        out = self.head.forward_hidden(self.embedding(tokens), hidden, positions.clamp_min(0), mask, self.cache)
+        out = self._layer(self.embedding(tokens), hidden, positions.clamp_min(0), mask, self.cache)
         if ahead == 0:
             self.cache.lengths += valid.sum(1)
         return out
@@ -143,7 +157,7 @@ class Eagle3Proposer(Proposer):
         tokens, qs = [], []
         ones = torch.ones(B, 1, dtype=torch.bool, device=nxt.device)
         for i in range(k):
-            tok, q = self._draw(self.head.compute_logits(h[:, -1]))
+            tok, q = self._draw(h[:, -1])
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
