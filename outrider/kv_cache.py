@@ -22,8 +22,8 @@ Contract:
   ``torch.compile`` (kernel fusion; one compiled function per process, shared by every cache),
   then captured. Outside a step the host only reserves the slots (two tiny kernels) and copies
   the token ids. ``greedy_run`` chains plain greedy steps on the device (a graph that also takes
-  the argmax, feeds it back and commits it), with no host synchronisation between steps. Mixture-of-experts layers are captured with batched experts
-  (``graph_safe_experts``).
+  the argmax, feeds it back and commits it), with no host synchronisation between steps.
+  Mixture-of-experts layers are captured with batched experts (``graph_safe_experts``).
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
@@ -32,6 +32,7 @@ Not done here: paging, sharing prefixes between rows, eviction. The cache holds 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -255,9 +256,7 @@ def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled_step(backend: str):
     """``_plain_step`` compiled once per process and backend, shared by every ``CachedLM``.
 
@@ -265,9 +264,7 @@ def _compiled_step(backend: str):
     the compiled code; widths 1..k+1, batch sizes and cache lengths become dynamic after their
     first change, which keeps recompilation to a handful.
     """
-    if backend not in _COMPILED:
-        _COMPILED[backend] = compiled(_plain_step, backend)
-    return _COMPILED[backend]
+    return compiled(_plain_step, backend)
 
 
 def compiled(fn: Callable, backend: str) -> Callable:
@@ -364,12 +361,17 @@ class CachedLM:
         self.aux = s_aux
         return s_logits
 
-    def _capture(self, ids: torch.Tensor) -> tuple:
-        s_ids = ids.clone()
+    def _capture_fn(self, fn: Callable[[], Any], after_each: Callable[[], Any] | None = None) -> tuple:
+        """Capture a step of this model as a CUDA graph in the cache's pool: (graph, outputs)."""
         if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
             self._mempool = torch.cuda.graph_pool_handle()
-        with graph_safe_experts(self.model):  # warm-up (and compilation) writes only into reserved, not yet valid slots
-            graph, (logits, aux) = capture_graph(lambda: self._body(s_ids), self.device, warmups=3, pool=self._mempool)
+        with graph_safe_experts(self.model):
+            return capture_graph(fn, self.device, warmups=3, pool=self._mempool, after_each=after_each)
+
+    def _capture(self, ids: torch.Tensor) -> tuple:
+        s_ids = ids.clone()
+        # warm-up (and compilation) writes only into reserved, not yet valid slots
+        graph, (logits, aux) = self._capture_fn(lambda: self._body(s_ids))
         return graph, s_ids, logits, aux
 
     @torch.no_grad()
@@ -430,10 +432,7 @@ class CachedLM:
                 dst.copy_(src)
             counter.zero_()
 
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        with graph_safe_experts(self.model):
-            graph, _ = capture_graph(step, self.device, warmups=3, pool=self._mempool, after_each=restore)
+        graph, _ = self._capture_fn(step, after_each=restore)
         return graph, s_tok, out, counter
 
     def commit(self, keep: torch.Tensor, used: int | None = None) -> None:

@@ -40,6 +40,7 @@ replaced by ``torch.nn.attention.flex_attention`` with a ``BlockMask`` whose ``m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -173,16 +174,12 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[tor
     return ce, logq.detach().argmax(-1) == teacher.argmax(-1)
 
 
-_FUSED: list = []
-
-
+@functools.cache
 def fused_soft_cross_entropy():
     """``soft_cross_entropy`` compiled by ``torch.compile`` (once per process, dynamic row count):
     the softmaxes, the product and the reductions fuse into a few passes over the logits, in
     the forward and the backward, instead of one materialised float32 tensor per operation."""
-    if not _FUSED:
-        _FUSED.append(torch.compile(soft_cross_entropy, dynamic=True))
-    return _FUSED[0]
+    return torch.compile(soft_cross_entropy, dynamic=True)
 
 
 class TTTModule(torch.nn.Module):
