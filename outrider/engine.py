@@ -261,9 +261,8 @@ class SpecEngine:
         keep = (torch.arange(kk + 1, device=dev)[None, :] <= n_acc[:, None]) & active[:, None]
         ahead = self._ahead(target)
         if ahead:  # the next draft is launched before the host waits for this step's outcome
-            cuda = dev.type == "cuda"
-            on_host = packed.to("cpu", non_blocking=True) if cuda else packed
-            ready = torch.cuda.Event() if cuda else None
+            on_host = packed.to("cpu", non_blocking=True)  # on CUDA a copy queued behind the step
+            ready = torch.cuda.Event() if dev.type == "cuda" else None
             if ready is not None:
                 ready.record()
             target.commit(keep, used=kk + 1)  # slots past the accepted ones stay masked: no host value needed
