@@ -30,12 +30,15 @@ batch (a note is raised when the weights do not fit, nothing more).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from outrider.errors import UserError
 from outrider.models import ArchInfo
@@ -856,10 +859,6 @@ def _fit_overheads(resid: list[float], regressors: list[list[float]], weights: l
     every subset of the terms (there are at most three), fits it by its normal equations, keeps
     the non-negative fits and returns the best one's coefficients (0 for terms left out).
     """
-    import itertools
-
-    import numpy as np
-
     x = np.asarray(regressors, dtype=float)  # [points, terms]
     y = np.asarray(resid, dtype=float)
     sw = np.sqrt(np.asarray(weights, dtype=float))
@@ -894,9 +893,8 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     token count), plus a per-verification overhead V on steps of n > 1 (where plain steps and
     several verification widths were measured): weighted least squares on relative error, every
     term >= 0; the pair minimising the squared relative error wins, ties going to the higher
-    efficiencies. The
-    AllReduce term keeps the profile's link latency and bandwidth (give ``allreduce_share``
-    through ``calibrate_measured`` to fit it).
+    efficiencies. The AllReduce term keeps the profile's link latency and bandwidth (give
+    ``allreduce_share`` through ``calibrate_measured`` to fit it).
     """
     points, drafts = _parse_timing_records(bench_records, context, origin)
     base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
@@ -919,12 +917,12 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     # per verification (when there are plain steps to set it against)
     tokens = [m for *_, m in prepared]
     verifying = [1.0 if n > 1 else 0.0 for n, *_ in points]
-    columns = [[1.0] * len(points)]
+    columns = {"step": [1.0] * len(points)}
     if len(set(tokens)) > 1:
-        columns.append([float(m) for m in tokens])
+        columns["token"] = [float(m) for m in tokens]
     if 0 < sum(verifying) < len(verifying) and len({m for m, v in zip(tokens, verifying) if v}) > 1:
-        columns.append(verifying)
-    regressors = [list(row) for row in zip(*columns)]
+        columns["verify"] = verifying
+    regressors = [list(row) for row in zip(*columns.values())]
     best: tuple[float, float, float, list[float]] | None = None  # loss, eta_m, eta_c, overhead coefficients
     for eta_m in grid:
         for eta_c in grid:
@@ -937,12 +935,10 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
                 best = (loss, eta_m, eta_c, coef)
     assert best is not None
     _, eta_m, eta_c, coef = best
-    overhead = coef[0]
-    token_s = coef[1] if len(columns) > 1 and columns[1] is not verifying else 0.0
-    verify_s = coef[-1] if columns[-1] is verifying else 0.0
-    step_s, layer_s = _split_overhead(overhead, shape, hw)
-    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin, token_overhead_s=token_s,
-                      verify_overhead_s=verify_s)
+    fitted = dict(zip(columns, coef))  # term -> seconds
+    step_s, layer_s = _split_overhead(fitted["step"], shape, hw)
+    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin,
+                      token_overhead_s=fitted.get("token", 0.0), verify_overhead_s=fitted.get("verify", 0.0))
     fitted_hw = cal.apply(hw)
     residuals = tuple((n, b, y, step_cost(shape, fitted_hw, tp, n, b, c).total_s) for n, b, c, y in points)
     return replace(cal, points=residuals)
