@@ -1,10 +1,10 @@
 """EAGLE-3 training throughput on one GPU: the trainer's own steps, in variants, and a kernel profile.
 
-    python benchmarks/train_profile.py --out $OUT --conversations F [--data DIR] [--steps 16]
+    python benchmarks/train_profile.py --out $OUT (--conversations F | --data DIR) [--steps 16]
         [--variants full,plain-batches,eager-loss] [--profile full]
 
-Builds a token dataset from the conversation file F without regeneration (only throughput is
-measured here, so the assistant turns need not be the target's), then runs ``train`` for
+Uses the token dataset DIR, or builds one from the conversation file F without regeneration
+(only throughput is measured here, so the assistant turns need not be the target's), then runs ``train`` for
 ``--steps`` optimizer steps per variant of the ``full`` preset:
 
 - ``full``: the preset as it is (length-grouped batches, loss fused by ``torch.compile``);
@@ -13,8 +13,11 @@ measured here, so the assistant turns need not be the target's), then runs ``tra
 - ``bsN``: the preset with ``batch_size = N``.
 
 Per variant: median tokens/s (real tokens, the target's forward included) and MFU over the steps
-after the first three (warm-up, compilation). ``--profile V`` then runs four steps of variant V
-under ``torch.profiler`` and writes the kernels ranked by GPU time to ``$OUT/train-profile.txt``.
+after the first three (warm-up, compilation). ``--profile V`` then builds variant V's trainer,
+runs four warm-up steps and profiles the next four optimizer steps alone (no evaluation, no
+checkpoint): it reports the wall time per step, the GPU's busy time per step (kernels and
+copies; the rest of the wall time the GPU waits for the host) and writes the kernels ranked by
+GPU time to ``$OUT/train-profile.txt``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
 
@@ -62,10 +65,51 @@ def run_variant(name: str, steps: int, data: str, work: Path, loaded) -> dict:
             "tokens_per_step": statistics.median(r["tokens"] for r in rows)}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, warm: int = 4, steps: int = 4) -> dict:
+    """Wall and GPU-busy time of ``steps`` optimizer steps of variant ``name`` after ``warm`` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from outrider.train import dist
+    from outrider.train.capture import TargetCapture
+    from outrider.train.trainer import _Objective, _Trainer
+
+    env = dist.init_from_env(None)
+    cfg = variant_config(name, warm + steps)
+    tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
+    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused)
+    tokens = 0
+    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids) as capture:
+        tr.capture = capture
+        for _ in range(warm):
+            tr._train_step(objective)
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                m, _ = tr._train_step(objective)
+                tokens += m["tokens"]
+            _sync()
+            wall = time.perf_counter() - t
+    averages = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+    table_path.write_text(table)
+    print(table[:6000])
+    return {"variant": name, "steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2),
+            "gpu_busy_ms_per_step": round(busy_us / 1e3 / steps, 2),
+            "tokens_per_s_profiled": round(tokens / wall, 1), "tokens_per_step": tokens / steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--conversations", required=True, help="ShareGPT/OpenAI JSON to tokenise (no regeneration)")
+    ap.add_argument("--conversations", help="ShareGPT/OpenAI JSON to tokenise (no regeneration) into --data")
     ap.add_argument("--data", default="/tmp/prof/data")
     ap.add_argument("--work", default="/tmp/prof")
     ap.add_argument("--max-conversations", type=int, default=4000)
@@ -76,27 +120,22 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work)
-    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    t = time.perf_counter()
-    rep = build_dataset("default", a.conversations, a.data, max_conversations=a.max_conversations, max_length=1024,
-                        progress=False)
-    results["data"] = {"seconds": round(time.perf_counter() - t, 1), **rep.to_dict()}
-    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    cuda = torch.cuda.is_available()
+    results: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
+    if a.conversations:
+        t = time.perf_counter()
+        rep = build_dataset("default", a.conversations, a.data, max_conversations=a.max_conversations,
+                            max_length=1024, progress=False)
+        results["data"] = {"seconds": round(time.perf_counter() - t, 1), **rep.to_dict()}
+    loaded = load_model("default", device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
     results["variants"] = []
     for name in [v for v in a.variants.split(",") if v]:
         results["variants"].append(run_variant(name, a.steps, a.data, work, loaded))
         print(json.dumps(results["variants"][-1]), flush=True)
         atomic_write_json(out / "train_profile.json", results)
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        run_variant(a.profile, 4, a.data, work / "warm", loaded)  # compiled code ready before profiling
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train("default", a.data, str(work / "profiled"), config=variant_config(a.profile, 4), progress=False,
-                  loaded_target=loaded)
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
-        (out / "train-profile.txt").write_text(table)
-        print(table[:6000])
+        results["profile"] = profile_steps(a.profile, a.data, work / "profiled", loaded, out / "train-profile.txt")
+        print(json.dumps(results["profile"]), flush=True)
     atomic_write_json(out / "train_profile.json", results)
     print(json.dumps(results, default=str))
 

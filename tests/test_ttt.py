@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train.capture import TargetCapture
-from outrider.train.ttt import TTTModule, simulated_accept_len, ttt_block_mask, ttt_loss
+from outrider.train.ttt import TTTModule, counted_positions, simulated_accept_len, ttt_block_mask, ttt_loss
 from outrider.train.vocab import build_draft_vocab
 from tiny import make_tiny, tiny_config
 
@@ -145,6 +145,14 @@ def test_loss_matches_slow_reference():
     want = [int((lm[:, 2 + i:] & r[:, 2 + i:] & r[:, : 10 - 2 - i]).sum()) for i in range(steps)]
     assert out.per_step_tokens.tolist() == want and out.n_tokens == want[0]
     torch.testing.assert_close(out.per_step_acc, out.per_step_correct.float() / out.per_step_tokens.float())
+    # positions found ahead of the call (as the trainer does, on the host) give the same loss and metrics
+    index = counted_positions(loss_mask, real, steps)
+    assert [len(b) for b, _ in index] == want
+    given = ttt_loss(head, embed, aux, ids, loss_mask, teacher, real, steps=steps, index=index)
+    torch.testing.assert_close(given.loss, out.loss, atol=0, rtol=0)
+    assert given.per_step_correct.tolist() == out.per_step_correct.tolist()
+    with pytest.raises(ValueError):
+        ttt_loss(head, embed, aux, ids, loss_mask, teacher, real, steps=steps, index=index[:2])
 
 
 def test_per_step_weighting_and_reductions():

@@ -708,8 +708,9 @@ class Batch:
     loss_mask: torch.Tensor  # [batch, seq] int64, 1 on assistant tokens to learn (never on padding)
     indices: torch.Tensor  # [batch] int64, example indices in the dataset
 
-    def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=non_blocking)
+                       for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
 
 
 class TokenDataset:

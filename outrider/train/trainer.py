@@ -70,7 +70,7 @@ from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_w
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
-from outrider.train.ttt import ttt_loss
+from outrider.train.ttt import counted_positions, ttt_loss
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
 
 STATE_FORMAT = "outrider-train-state"
@@ -143,17 +143,6 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def counted_per_step(loss_mask: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """Positions the TTT loss counts at each unroll step: [steps] int64.
-
-    loss_mask, attention_mask: [batch, seq]. Step ``i`` counts position ``t`` iff token
-    ``t + 2 + i`` is real and loss-masked (``outrider.train.ttt``'s rule; with right padding a
-    real later token implies a real ``t``).
-    """
-    learn = loss_mask.bool() & attention_mask.bool()  # [batch, seq]
-    return torch.tensor([int(learn[:, 2 + i:].sum()) for i in range(steps)], dtype=torch.long)
-
-
 def tau_at(acc: Sequence[float], k: int) -> float:
     """Simulated acceptance length of a chain of ``k`` drafts: ``1 + sum_{j<=k} prod_{i<=j} acc_i``."""
     total, run = 1.0, 1.0
@@ -173,11 +162,11 @@ class _Objective(nn.Module):
         self.ttt_steps, self.fused = ttt_steps, fused
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
-                attention_mask: torch.Tensor, weights: Sequence[float]):
+                attention_mask: torch.Tensor, weights: Sequence[float], index=None):
         # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
-        # teacher: [batch, seq, draft_vocab]
+        # teacher: [batch, seq, draft_vocab]; index: ``counted_positions`` on the device, or None
         return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused)
+                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused, index=index)
 
 
 class _Sums:
@@ -189,20 +178,30 @@ class _Sums:
         self.correct = torch.zeros(steps, dtype=torch.long)  # [steps] argmax agreements
         self.counted = torch.zeros(steps, dtype=torch.long)  # [steps] loss positions
         self.tokens = 0  # real tokens
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # device-side, not yet read
 
     def add(self, out, tokens: int) -> None:
-        self.ce += out.per_step_loss.double() * out.per_step_tokens.double()
-        self.correct += out.per_step_correct
+        """Counts now; the device-side metrics are read when first needed (one host round trip)."""
+        self._pending.append((out.per_step_loss, out.per_step_correct, out.per_step_tokens))
         self.counted += out.per_step_tokens
         self.tokens += int(tokens)
 
+    def _read(self) -> None:
+        for loss, correct, n in self._pending:
+            self.ce += loss.detach().to("cpu").double() * n.double()
+            self.correct += correct.to("cpu")
+        self._pending = []
+
     def merge(self, other: "_Sums") -> None:
+        self._read()
+        other._read()
         self.ce += other.ce
         self.correct += other.correct
         self.counted += other.counted
         self.tokens += other.tokens
 
     def reduce(self, env: dist.DistEnv) -> None:
+        self._read()
         packed = torch.cat([self.ce, self.correct.double(), self.counted.double(),
                             torch.tensor([float(self.tokens)], dtype=torch.float64)])
         dist.all_reduce_sum(packed, env)
@@ -213,6 +212,7 @@ class _Sums:
         self.tokens = int(packed[3 * s].round())
 
     def metrics(self, weights: Sequence[float], tau_k: int) -> dict[str, Any]:
+        self._read()
         n = self.counted.clamp_min(1).double()
         per_step_loss = (self.ce / n).tolist()
         acc = (self.correct.double() / n).tolist()
@@ -693,38 +693,41 @@ class _Trainer:
         return float(dist.all_reduce_sum(torch.tensor([float(over)], device=self.env.device), self.env)[0]) > 0
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
+        """One optimizer step. The host waits for the device once, after the optimizer step is queued:
+        the loss positions are found on the host and travel with the batch."""
         env, cfg = self.env, self.config
         micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
-        counted = sum(counted_per_step(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro)
-        counted = dist.all_reduce_sum(counted.clone(), env)  # [steps] over the global batch
+        index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
+        counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
+        counted = dist.all_reduce_sum(counted, env)  # [steps] over the global batch
         scale = float(env.world_size)  # DDP averages gradients over ranks; the loss is a global mean
         weights = [w * scale / max(int(n), 1) for w, n in zip(self.weights, counted.tolist())]
         sums = _Sums(cfg.ttt_steps)
         self.head.train()
-        for j, batch in enumerate(micro):
-            batch = batch.to(env.device)
+        for j, (batch, ix) in enumerate(zip(micro, index)):
+            tokens = int(batch.attention_mask.sum())
+            batch = batch.to(env.device, non_blocking=True)
+            ix = [(b.to(env.device, non_blocking=True), t.to(env.device, non_blocking=True)) for b, t in ix]
             captured = self.capture(batch.input_ids, batch.attention_mask)
             sync = j == len(micro) - 1 or not env.distributed
             with (contextlib.nullcontext() if sync else objective.no_sync()):
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                     out = objective(captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
-                                    batch.attention_mask, weights)
+                                    batch.attention_mask, weights, ix)
                 out.loss.backward()
-            sums.add(out, int(batch.attention_mask.sum()))
-        sums.reduce(env)
-        if not torch.equal(sums.counted, counted):
-            raise RuntimeError(f"loss positions disagree with ttt: {sums.counted.tolist()} vs {counted.tolist()}")
-        m = sums.metrics(self.weights, cfg.tau_k)
+            sums.add(out, tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(),
                                                    cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()  # a non-finite step is never saved: the check below stops the run first
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums.reduce(env)  # the host waits here
+        m = sums.metrics(self.weights, cfg.tau_k)
         if not math.isfinite(m["loss"]) or not math.isfinite(float(grad_norm)):
             what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
             raise UserError(f"non-finite {what} at step {self.step + 1}: training stopped, the last good checkpoint "
                             f"in {self.last_dir} is intact (lower lr, or check the target and the data)")
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.window.merge(sums)
         m.update(step=self.step, epoch=self.cursor.epoch, lr=lr, grad_norm=round(float(grad_norm), 6))

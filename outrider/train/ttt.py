@@ -53,12 +53,12 @@ from outrider.head import Eagle3Head
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # scalar, differentiable w.r.t. the head's parameters
-    per_step_loss: torch.Tensor  # [steps] mean soft cross-entropy per step (detached)
-    per_step_acc: torch.Tensor  # [steps] argmax agreement with the teacher per step
-    sim_accept_len: torch.Tensor  # scalar: 1 + sum_k prod_{j<=k} acc_j (bonus token included)
+    per_step_loss: torch.Tensor  # [steps] mean soft cross-entropy per step (detached; device)
+    per_step_acc: torch.Tensor  # [steps] argmax agreement with the teacher per step (device)
+    sim_accept_len: torch.Tensor  # scalar: 1 + sum_k prod_{j<=k} acc_j (bonus token included; device)
     n_tokens: int  # positions counted at step 0
-    per_step_tokens: torch.Tensor  # [steps] int64 positions counted per step
-    per_step_correct: torch.Tensor  # [steps] int64 argmax agreements per step
+    per_step_tokens: torch.Tensor  # [steps] int64 positions counted per step (host)
+    per_step_correct: torch.Tensor  # [steps] int64 argmax agreements per step (device)
 
 
 class StepKV:
@@ -95,10 +95,33 @@ def step_weights(steps: int, decay: float = 0.8) -> list[float]:
     return [decay ** i for i in range(steps)]
 
 
+def counted_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None,
+                      steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The positions each step's loss counts, as ``(batch_index [N_i], position [N_i])`` pairs.
+
+    loss_mask, attention_mask: [batch, S]. Position ``t`` counts at step ``i`` iff ``x_t`` is real
+    and ``x_{t+2+i}`` is real and loss-masked. Computed where the masks live: a trainer computes
+    them on the host and moves them with the batch, so that the loss needs no host round trip
+    (a ``nonzero`` on the device waits for the device).
+    """
+    real = torch.ones_like(loss_mask, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    learn = loss_mask.bool() & real  # [B, S]
+    S = learn.shape[1]
+    out = []
+    for i in range(steps):
+        shift = 1 + i
+        counted = torch.zeros_like(learn)  # [B, S]: position t predicts x_{t+2+i}
+        if S > shift + 1:
+            counted[:, : S - shift - 1] = learn[:, shift + 1:] & real[:, : S - shift - 1]
+        out.append(counted.nonzero(as_tuple=True))
+    return out
+
+
 def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], aux: torch.Tensor,
              input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
-             weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool = False) -> TTTOutput:
+             weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool = False,
+             index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
 
     head:           the EAGLE-3 head being trained
@@ -111,6 +134,10 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     weights:        per-step loss weights; default ``decay**i``
     reduction:      "mean" (each step averaged over its positions) or "sum"
     fused:          compute the loss with ``torch.compile`` (one pass over the logits; CUDA)
+    index:          ``counted_positions(loss_mask, attention_mask, steps)`` on the batch's device,
+                    if the caller has it (else computed here, one device round trip per step)
+
+    Metrics come back on the batch's device (no host round trip); ``per_step_tokens`` on the host.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
@@ -124,7 +151,10 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     device = input_ids.device
     loss_fn = fused_soft_cross_entropy() if fused else soft_cross_entropy
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
-    learn = loss_mask.bool() & real  # [B, S]
+    if index is None:
+        index = counted_positions(loss_mask, real, steps)
+    if len(index) != steps:
+        raise ValueError(f"{len(index)} position sets for {steps} steps")
     positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
 
     dtype = head.fc.weight.dtype  # a bf16 target may feed a float32 head (autocast recasts as it needs)
@@ -140,28 +170,24 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
         token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
         hidden = head.forward_hidden(token_in, hidden, positions + i, mask[..., : (i + 1) * S], kv)
-        counted = torch.zeros_like(learn)  # [B, S]: position t predicts x_{t+2+i}
-        if S > shift + 1:
-            counted[:, : S - shift - 1] = learn[:, shift + 1:] & real[:, : S - shift - 1]
-        b, t = counted.nonzero(as_tuple=True)
-        ce, agree = loss_fn(head.compute_logits(hidden[b, t]), teacher[b, t + shift])  # [N], [N]
-        n = ce.numel()
+        b, t = index[i]  # [N_i] each
+        ce, agree = loss_fn(head.compute_logits(hidden[b, t]), teacher[b, t + shift])  # [N_i], [N_i]
+        n = int(b.numel())
         step_loss = ce.sum() / max(n, 1) if reduction == "mean" else ce.sum()
         total = total + w[i] * step_loss
         losses.append(ce.detach().sum() / max(n, 1))
         counts.append(n)
         correct.append(agree.sum())
 
-    per_step_tokens = torch.tensor(counts, dtype=torch.long)
-    per_step_correct = torch.stack(correct).cpu()
-    acc = per_step_correct.double() / per_step_tokens.clamp_min(1).double()
+    per_step_correct = torch.stack(correct)  # [steps] on the device
+    acc = torch.stack([c.double() / max(n, 1) for c, n in zip(correct, counts)])  # [steps]
     return TTTOutput(
         loss=total,
-        per_step_loss=torch.stack(losses).float().cpu(),
+        per_step_loss=torch.stack(losses).float(),
         per_step_acc=acc.float(),
         sim_accept_len=simulated_accept_len(acc),
         n_tokens=counts[0],
-        per_step_tokens=per_step_tokens,
+        per_step_tokens=torch.tensor(counts, dtype=torch.long),
         per_step_correct=per_step_correct,
     )
 
