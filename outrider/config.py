@@ -59,7 +59,7 @@ class TrainConfig:
     seed: int = 0  # head initialisation and data order
     amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
     compile: bool = True  # on CUDA, the TTT loss is fused by torch.compile (ignored on CPU)
-    time_budget_s: float = 0.0  # > 0: end the run (final eval and checkpoint) once training time exceeds it
+    time_budget_s: float = 0.0  # > 0: end the run (final eval, checkpoint) once training time exceeds it; lr anneals by it
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
 
     def __post_init__(self) -> None:
@@ -168,13 +168,13 @@ PRESETS: dict[str, TrainConfig] = {
     ),
     # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): 64 sequences of
     # <= 1024 tokens per step, drawn by length (a 135M target leaves the GPU launch-bound at smaller
-    # batches: 32 short sequences ran at 3 % MFU), and a hard stop at 7 minutes of training so that
-    # the preset always fits the 10-minute budget whatever the machine. Length-grouped steps of
-    # ~20k tokens ran at ~110k tokens/s once their shapes were cached: ~2000 steps fit the budget,
-    # the cosine horizon. (Starting lm_head from the target's did worse early on in a CPU trial.)
+    # batches: 32 short sequences ran at 3 % MFU), and a stop at 8 minutes of training, which also
+    # sets the cosine's pace, so that the preset fits a 10-minute budget whatever the machine
+    # (steady steps of ~16k tokens took ~175 ms on an H200: ~2700 steps fit; the step horizon is
+    # an upper bound). (Starting lm_head from the target's did worse early on in a CPU trial.)
     "full": TrainConfig(
-        steps=2000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
+        steps=6000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=500, eval_examples=256, save_every=500,
-        time_budget_s=420.0,
+        time_budget_s=480.0,
     ),
 }

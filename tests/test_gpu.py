@@ -71,6 +71,14 @@ def test_fused_soft_cross_entropy_equals_eager():
         assert torch.allclose(ce_f, ce, rtol=1e-5, atol=1e-5)
         assert torch.equal(agree_f, agree)
         assert torch.allclose(grad_f, grad, rtol=1e-5, atol=1e-6)
+        # the teacher's rows picked inside the fused loss: a shuffled, larger teacher
+        pick = torch.randperm(2 * rows, device="cuda", generator=g)[:rows]
+        spread = torch.zeros(2 * rows, 1000, device="cuda", dtype=torch.bfloat16).index_copy_(0, pick, teacher)
+        ce_r, agree_r = fused_soft_cross_entropy()(logits, spread, pick)
+        (grad_r,) = torch.autograd.grad(ce_r.sum(), logits)
+        assert torch.allclose(ce_r, ce, rtol=1e-5, atol=1e-5)
+        assert torch.equal(agree_r, agree)
+        assert torch.allclose(grad_r, grad, rtol=1e-5, atol=1e-6)
 
 
 def test_training_on_cuda_fused_and_eager_agree(tmp_path):

@@ -101,6 +101,10 @@ def test_config_round_trip_presets_and_errors(tmp_path):
     # warmup then cosine down to min_lr_ratio
     c = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
     assert [round(lr_factor(s, c), 4) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
+    # a time budget half spent puts the cosine half way, however few steps were done; warm-up stays by steps
+    assert lr_factor(3, c, budget_used=0.5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(3, c, budget_used=0.0) == lr_factor(3, c) > lr_factor(3, c, budget_used=0.5)
+    assert lr_factor(0, c, budget_used=0.9) == 0.5 and lr_factor(3, c, budget_used=2.0) == pytest.approx(0.1)
     assert tau_at([0.5, 0.5, 0.5], 2) == 1.75
 
 

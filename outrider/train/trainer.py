@@ -36,7 +36,10 @@ Contract:
   micro-batch of the same epoch order; on CPU the result is bit-identical to a run that was
   never interrupted. ``max_steps`` stops the run early at that optimizer step (checkpointed)
   without changing the schedule, whose horizon is the config's ``steps``; so does the config's
-  ``time_budget_s`` once the training time (all ranks agreeing) exceeds it, named in the notes.
+  ``time_budget_s`` once the training time (all ranks agreeing; resumed runs count their earlier
+  time) exceeds it, named in the notes. With a time budget the cosine schedule follows whichever
+  ends first, the steps or the budget, so the learning rate anneals either way; such a run's
+  schedule depends on its speed and is not bit-reproducible.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
   DDP replica of the head and reads its share of each global batch; only rank 0 writes and
   prints, with barriers around checkpoints. Resuming needs the same number of processes.
@@ -134,12 +137,17 @@ class TrainReport:
 # Schedule, objective, metrics
 
 
-def lr_factor(step: int, config: TrainConfig) -> float:
-    """Multiplier of ``lr`` for the optimizer step after ``step`` completed ones."""
+def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float:
+    """Multiplier of ``lr`` for the optimizer step after ``step`` completed ones.
+
+    Linear warm-up, then a cosine whose progress is the larger of the steps done after warm-up
+    and ``budget_used`` (the fraction of ``time_budget_s`` spent): a run stopped by its time
+    budget still anneals to ``min_lr_ratio`` as it ends.
+    """
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     span = max(config.steps - config.warmup_steps, 1)
-    progress = min((step - config.warmup_steps) / span, 1.0)
+    progress = min(max((step - config.warmup_steps) / span, budget_used), 1.0)
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -525,7 +533,8 @@ class _Trainer:
 
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg, self._budget_used()))
         self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
         self.autocast = env.device.type == "cuda" and cfg.amp
         self.fused = env.device.type == "cuda" and cfg.compile
@@ -549,6 +558,7 @@ class _Trainer:
             w = s["window"]
             self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
             self.window.tokens = int(w["tokens"])
+            self.train_s = float(s.get("train_s", 0.0))
             if self.step >= self.stop_at:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
@@ -638,7 +648,7 @@ class _Trainer:
         dist.barrier(env)
         objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
-        train_s, tokens_seen, flops = 0.0, 0, 0.0
+        train_s, tokens_seen, flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             _set_rng_state(self.resume_state["rng"])
         try:
@@ -651,6 +661,7 @@ class _Trainer:
                         torch.cuda.synchronize(env.device)
                     dt = time.perf_counter() - t0
                     train_s += dt
+                    self.train_s += dt
                     tokens_seen += m["tokens"]
                     step_flops = self.flops_per_token_target * m["tokens"] + self._head_flops(m["tokens"], counted)
                     flops += step_flops
@@ -658,7 +669,7 @@ class _Trainer:
                     if self.peak:
                         m["mfu"] = round(step_flops / (dt * self.peak * env.world_size), 5)
                     bar.update(self.step, m, m["tokens_per_s"])
-                    if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(train_s):
+                    if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
                         self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
                                           f"step {self.step} of {cfg.steps}")
                         self.stop_at = self.step
@@ -684,6 +695,10 @@ class _Trainer:
             mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
             device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
             vocab_coverage=self.vocab.coverage(), resumed_from=self.resumed_from, rank=env.rank, notes=self.notes)
+
+    def _budget_used(self) -> float:
+        budget = self.config.time_budget_s
+        return self.train_s / budget if budget else 0.0
 
     def _over_budget(self, train_s: float) -> bool:
         """Has any rank trained for ``time_budget_s``? (every rank takes the same decision)"""
@@ -832,7 +847,7 @@ class _Trainer:
                 "rng": _rng_state(), "position": self.cursor.state(), "config": self.config.to_dict(),
                 "preset": self.preset, "best_step": self.best_step, "best_score": self.best_score,
                 "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
-                "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(),
+                "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(), "train_s": self.train_s,
                 "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
                            "tokens": self.window.tokens},
             }

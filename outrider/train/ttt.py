@@ -157,12 +157,14 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         raise ValueError(f"{len(index)} position sets for {steps} steps")
     positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
 
-    dtype = head.fc.weight.dtype  # a bf16 target may feed a float32 head (autocast recasts as it needs)
+    # a bf16 target may feed a float32 head: cast, unless autocast runs the head in the target's dtype
+    dtype = None if torch.is_autocast_enabled(device.type) else head.fc.weight.dtype
     with torch.no_grad():
         tokens = embed(input_ids).to(dtype)  # [B, S, H]
     mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
     kv = StepKV()
     hidden = head.fuse(aux.to(dtype))  # [B, S, H]
+    flat_teacher = teacher.reshape(B * S, -1)  # [B*S, draft_vocab]
     total = hidden.new_zeros(())
     losses, counts, correct = [], [], []
     for i in range(steps):
@@ -171,7 +173,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
         hidden = head.forward_hidden(token_in, hidden, positions + i, mask[..., : (i + 1) * S], kv)
         b, t = index[i]  # [N_i] each
-        ce, agree = loss_fn(head.compute_logits(hidden[b, t]), teacher[b, t + shift])  # [N_i], [N_i]
+        ce, agree = loss_fn(head.compute_logits(hidden[b, t]), flat_teacher, b * S + t + shift)  # [N_i], [N_i]
         n = int(b.numel())
         step_loss = ce.sum() / max(n, 1) if reduction == "mean" else ce.sum()
         total = total + w[i] * step_loss
@@ -192,9 +194,13 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     )
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``-sum_v p(v) log q(v)`` per row, ``p = softmax(teacher)``, ``q = softmax(logits)``, in float32,
-    and whether the argmaxes agree. logits, teacher: [N, V] -> ([N] float32, [N] bool)."""
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-sum_v p(v) log q(v)`` per row, ``p = softmax(teacher row)``, ``q = softmax(logits)``, in float32,
+    and whether the argmaxes agree. logits: [N, V]; teacher: [N, V], or [M, V] with ``rows`` [N]
+    picking the teacher row of each logits row -> ([N] float32, [N] bool)."""
+    if rows is not None:
+        teacher = teacher.index_select(0, rows)  # [N, V]; fused into the loss's loads when compiled
     logq = F.log_softmax(logits.float(), dim=-1)  # [N, V]
     ce = -(F.softmax(teacher.float(), dim=-1) * logq).sum(-1)  # [N]
     return ce, logq.detach().argmax(-1) == teacher.argmax(-1)
@@ -203,8 +209,8 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor) -> tuple[tor
 @functools.cache
 def fused_soft_cross_entropy():
     """``soft_cross_entropy`` compiled by ``torch.compile`` (once per process, dynamic row count):
-    the softmaxes, the product and the reductions fuse into a few passes over the logits, in
-    the forward and the backward, instead of one materialised float32 tensor per operation."""
+    the teacher's row gather, the softmaxes, the product and the reductions fuse into a few passes
+    over the logits, in the forward and the backward, instead of one materialised tensor per operation."""
     return torch.compile(soft_cross_entropy, dynamic=True)
 
 
