@@ -170,7 +170,8 @@ class _Objective(nn.Module):
         self.ttt_steps, self.fused = ttt_steps, fused
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
-                attention_mask: torch.Tensor, weights: Sequence[float], index=None):
+                attention_mask: torch.Tensor, weights: Sequence[float],
+                index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
         # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
         # teacher: [batch, seq, draft_vocab]; index: ``counted_positions`` on the device, or None
         return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
@@ -534,7 +535,8 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg, self._budget_used()))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: lr_factor(s, cfg, self._budget_used()))
         self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
         self.autocast = env.device.type == "cuda" and cfg.amp
         self.fused = env.device.type == "cuda" and cfg.compile
