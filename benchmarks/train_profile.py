@@ -10,6 +10,7 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 - ``full``: the preset as it is (length-grouped batches, loss fused by ``torch.compile``);
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
+- ``compiled-target``: ``compile_target = true`` (the target's forward under ``torch.compile``);
 - ``bsN``: the preset with ``batch_size = N``.
 
 Per variant: median tokens/s (real tokens, the target's forward included) and MFU over the steps
@@ -45,6 +46,8 @@ def variant_config(name: str, steps: int) -> TrainConfig:
         return cfg.replace(group_by_length=0)
     if name == "eager-loss":
         return cfg.replace(compile=False)
+    if name == "compiled-target":
+        return cfg.replace(compile_target=True)
     if name.startswith("bs"):
         return cfg.replace(batch_size=int(name[2:]))
     if name != "full":
@@ -84,7 +87,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
     objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused)
     tokens = 0
-    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids) as capture:
+    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, compile=cfg.compile_target) as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)

@@ -16,6 +16,10 @@ Contract:
   Full-vocabulary logits are never computed: the decoder runs without its ``lm_head``.
 - Both tensors are in the target's dtype and on its device. Nothing goes to disk; the target
   stays in memory and the hooks stay attached until ``close()``.
+- ``compile`` (False, True = inductor, or a ``torch.compile`` backend): the forward, the hooks
+  and the teacher's projection run as one ``torch.compile``d function with dynamic batch and
+  sequence sizes (one compilation for every batch shape), so that a small target's forward is a
+  few fused kernels instead of hundreds of eager launches. Same values, within kernel rounding.
 - Padding: ``attention_mask`` [batch, seq] (1 = real token) is passed through, with position
   ids counted over the real tokens (so left and right padding both work). Values at padded
   positions are meaningless and must be masked by the consumer.
@@ -27,7 +31,7 @@ targets, target-side logit transforms other than soft-capping (logit scales, tem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -44,7 +48,8 @@ class Captured:
 class TargetCapture:
     """A frozen target bound for capture; call it on batches, ``close()`` it when done."""
 
-    def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any):
+    def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any,
+                 compile: bool | str | Callable = False):
         # draft_ids: [draft_vocab] target ids (or a ``DraftVocab``, whose ``draft_ids`` are used)
         self.target = target.eval().requires_grad_(False)
         self.decoder = target.get_decoder()
@@ -56,6 +61,10 @@ class TargetCapture:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach().index_select(0, ids)  # [draft_vocab]
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
+        self._run = self._forward
+        if compile:
+            backend = "inductor" if compile is True else compile
+            self._run = torch.compile(self._forward, backend=backend, dynamic=True)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -67,15 +76,22 @@ class TargetCapture:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [batch, seq]
+        try:
+            aux, teacher = self._run(input_ids, attention_mask, position_ids)
+        finally:
+            self.aux_capture.states.clear()
+        return Captured(aux=aux, teacher=teacher)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=False)
         final = out.last_hidden_state  # [batch, seq, H_t], after the final norm
         aux = self.aux_capture.concat()  # [batch, seq, 3*H_t]
-        self.aux_capture.states.clear()
         teacher = F.linear(final, self.weight, self.bias)  # [batch, seq, draft_vocab]
         if self.softcap:
             teacher = torch.tanh(teacher / self.softcap) * self.softcap
-        return Captured(aux=aux, teacher=teacher)
+        return aux, teacher
 
     def close(self) -> None:
         self.aux_capture.close()
