@@ -199,14 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("train", help="train an EAGLE-3 head")
     sp.add_argument("target")
-    sp.add_argument("--data", required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--preset", default=None, choices=["quick", "full"])
+    sp.add_argument("--data", required=True, help="a token dataset folder written by 'outrider data'")
+    sp.add_argument("--out", required=True, help="run folder: metrics.jsonl, last/ (resumable), head/ (best)")
+    sp.add_argument("--preset", default=None, choices=["quick", "full"],
+                    help="quick: minutes on a 2-core CPU; full: one GPU, stops after 8 minutes of training "
+                         "(sized for the default model: for a large target raise time_budget_s and steps "
+                         "with --config). Default: full on CUDA, quick on CPU")
     sp.add_argument("--init", default=None, help="start from an existing head (fine-tune)")
     sp.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
-    sp.add_argument("--config", default=None, help="JSON file with training settings")
+    sp.add_argument("--config", default=None,
+                    help='JSON file of settings overriding the preset, e.g. {"time_budget_s": 0, "steps": 20000}')
     sp.add_argument("--aux-layers", type=_ints, default=None, help="aux layer ids, e.g. 2,15,27")
-    sp.add_argument("--max-steps", type=int, default=None)
+    sp.add_argument("--max-steps", type=int, default=None,
+                    help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
     sp.set_defaults(fn=cmd_train)
