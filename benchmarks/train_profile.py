@@ -11,6 +11,8 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
 - ``compiled-target``: ``compile_target = true`` (the target's forward under ``torch.compile``);
+- ``compiled-head``: ``compile_head = true`` (the head's step around its attention compiled);
+- ``compiled-all``: both;
 - ``bsN``: the preset with ``batch_size = N``.
 
 Per variant: median tokens/s (real tokens, the target's forward included) and MFU over the steps
@@ -48,6 +50,10 @@ def variant_config(name: str, steps: int) -> TrainConfig:
         return cfg.replace(compile=False)
     if name == "compiled-target":
         return cfg.replace(compile_target=True)
+    if name == "compiled-head":
+        return cfg.replace(compile_head=True)
+    if name == "compiled-all":
+        return cfg.replace(compile_target=True, compile_head=True)
     if name.startswith("bs"):
         return cfg.replace(batch_size=int(name[2:]))
     if name != "full":
@@ -85,7 +91,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     env = dist.init_from_env(None)
     cfg = variant_config(name, warm + steps)
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
-    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused)
+    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cfg.compile_head)
     tokens = 0
     with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, compile=cfg.compile_target) as capture:
         tr.capture = capture

@@ -60,6 +60,7 @@ class TrainConfig:
     amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
     compile: bool = True  # on CUDA, the TTT loss is fused by torch.compile (ignored on CPU)
     compile_target: bool = False  # on CUDA, the target's forward (capture) runs torch.compile'd (ignored on CPU)
+    compile_head: bool = False  # on CUDA, the head's step around its attention runs torch.compile'd (ignored on CPU)
     time_budget_s: float = 0.0  # > 0: stop (final eval, checkpoint) after this much training; lr anneals by it
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
 

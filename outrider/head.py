@@ -225,20 +225,26 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
-        # x: [batch, n, 2H]; cos/sin: [batch, n, head_dim]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, n, d] and k, v [B, kv, n, d] of x [B, n, 2H], rotary applied to q and k."""
         B, n, _ = x.shape
         q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, n, d]
         k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, n, d]
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+               cache: Any | None) -> torch.Tensor:
+        """SDPA of q over k, v (through the cache when given) -> [B, n, heads * d], before ``o_proj``."""
+        B, _, n, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, 0)  # [B, kv, S, d]: everything the cache hands back
             if attention_mask is None:
                 attention_mask = cache.attention_mask(
-                    torch.ones(B, n, dtype=torch.bool, device=x.device),
-                    torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), q.dtype)
+                    torch.ones(B, n, dtype=torch.bool, device=q.device),
+                    torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), q.dtype)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(q.dtype)
         if self.num_kv_heads != self.num_heads:  # GQA by expansion: keeps the masked fused kernels usable
@@ -247,7 +253,13 @@ class Eagle3Attention(nn.Module):
             v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and cache is None)  # [B, heads, n, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
+        # x: [batch, n, 2H]; cos/sin: [batch, n, head_dim]
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, k, v, attention_mask, cache))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -265,8 +277,17 @@ class Eagle3DecoderLayer(nn.Module):
     def forward(self, input_embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
         # input_embeds, hidden: [batch, n, H] -> hidden_out [batch, n, H] (pre-norm)
+        q, k, v = self.before_attention(input_embeds, hidden, cos, sin)
+        return self.after_attention(hidden, self.self_attn.attend(q, k, v, attention_mask, cache))
+
+    def before_attention(self, input_embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden)], dim=-1)  # [B, n, 2H]
-        h = hidden + self.self_attn(x, cos, sin, attention_mask, cache)
+        return self.self_attn.project(x, cos, sin)
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, n, H]; attended: [B, n, heads * d] -> hidden_out [B, n, H]
+        h = hidden + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -340,6 +361,23 @@ class Eagle3Head(nn.Module):
         # attention_mask: [batch, 1, n, S] additive float or bool (True = may attend); None = causal
         cos, sin = self.rotary(position_ids, hidden.dtype)
         return self.midlayer(input_embeds, hidden, cos, sin, attention_mask, cache)
+
+    # one draft step in two parts around the attention (training runs them compiled, the attention eager)
+
+    def before_attention(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, n, d], k, v [B, kv, n, d] of one step: norms, projections, rotary."""
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        return self.midlayer.before_attention(input_embeds, hidden, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+               cache: Any | None) -> torch.Tensor:
+        """The step's attention -> [B, n, heads * d] (``forward_hidden``'s mask and cache conventions)."""
+        return self.midlayer.self_attn.attend(q, k, v, attention_mask, cache)
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """hidden_out [B, n, H] from the step's hidden input and its attention output."""
+        return self.midlayer.after_attention(hidden, attended)
 
     def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         # hidden_out: [..., H] -> draft logits [..., draft_vocab]

@@ -93,7 +93,8 @@ def test_training_on_cuda_fused_and_eager_agree(tmp_path):
                   eval_fraction=0.2, progress=False)
     cfg = CFG.replace(amp=False, steps=6, eval_every=6, save_every=6)
     reports = [train(str(target), str(tmp_path / "data"), str(tmp_path / name),
-                     config=cfg.replace(compile=fused, compile_target=fused), device="cuda", progress=False)
+                     config=cfg.replace(compile=fused, compile_target=fused, compile_head=fused), device="cuda",
+                     progress=False)
                for name, fused in (("fused", True), ("eager", False))]
     losses = [[json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                if json.loads(x)["type"] == "train"] for name in ("fused", "eager")]

@@ -174,6 +174,29 @@ def test_per_step_weighting_and_reductions():
     torch.testing.assert_close(module(*inputs[1:]).loss, base.loss, atol=0, rtol=0)
 
 
+def test_compiled_head_parts_trace_once_and_agree():
+    """``compile_head``: the parts around the attention are traced once for every step and shape."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts what dynamo compiles, runs it as traced
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    head = _head(seed=2)
+    for B, S, seed in ((3, 10, 0), (4, 17, 1)):
+        inputs = _inputs(B=B, S=S, seed=seed)
+        want = ttt_loss(head, *inputs, steps=4)
+        want_grads = torch.autograd.grad(want.loss, list(head.parameters()))
+        got = ttt_loss(head, *inputs, steps=4, compile_head=backend)
+        got_grads = torch.autograd.grad(got.loss, list(head.parameters()))
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+        assert got.per_step_correct.tolist() == want.per_step_correct.tolist()
+        for g_got, g_want in zip(got_grads, want_grads):
+            torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=1e-5)
+    assert len(graphs) == 2  # before_attention, after_attention
+
+
 def test_simulated_acceptance_length():
     assert float(simulated_accept_len(torch.tensor([0.5, 0.5, 1.0]))) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
     assert float(simulated_accept_len(torch.zeros(7))) == 1.0

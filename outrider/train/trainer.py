@@ -163,11 +163,12 @@ def tau_at(acc: Sequence[float], k: int) -> float:
 class _Objective(nn.Module):
     """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
 
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool = False):
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool = False,
+                 compile_head: bool = False):
         super().__init__()
         self.head = head
         self._embedding = (embedding,)  # the target's, frozen; not a submodule (DDP must not see it)
-        self.ttt_steps, self.fused = ttt_steps, fused
+        self.ttt_steps, self.fused, self.compile_head = ttt_steps, fused, compile_head
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor, weights: Sequence[float],
@@ -175,7 +176,8 @@ class _Objective(nn.Module):
         # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
         # teacher: [batch, seq, draft_vocab]; index: ``counted_positions`` on the device, or None
         return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused, index=index)
+                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused, index=index,
+                        compile_head=self.compile_head)
 
 
 class _Sums:
@@ -648,7 +650,8 @@ class _Trainer:
         if env.is_main:
             self._prepare_out()
         dist.barrier(env)
-        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused), env)
+        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused,
+                                         env.device.type == "cuda" and cfg.compile_head), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
         train_s, tokens_seen, flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:

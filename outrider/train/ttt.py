@@ -41,6 +41,7 @@ replaced by ``torch.nn.attention.flex_attention`` with a ``BlockMask`` whose ``m
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -121,7 +122,8 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
              input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
              weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool = False,
-             index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TTTOutput:
+             index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+             compile_head: bool | str | Callable = False) -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
 
     head:           the EAGLE-3 head being trained
@@ -136,6 +138,9 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     fused:          compute the loss with ``torch.compile`` (one pass over the logits; CUDA)
     index:          ``counted_positions(loss_mask, attention_mask, steps)`` on the batch's device,
                     if the caller has it (else computed here, one device round trip per step)
+    compile_head:   run the step's parts before and after the attention ``torch.compile``d
+                    (True = inductor, or a backend), dynamic in batch and length: one graph each
+                    for every step and shape; the attention over the growing keys stays eager
 
     Metrics come back on the batch's device (no host round trip); ``per_step_tokens`` on the host.
     """
@@ -150,6 +155,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         raise ValueError(f"{len(w)} step weights for {steps} steps")
     device = input_ids.device
     loss_fn = fused_soft_cross_entropy() if fused else soft_cross_entropy
+    before, after = _step_parts(head, compile_head)
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
         index = counted_positions(loss_mask, real, steps)
@@ -171,7 +177,8 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         shift = 1 + i
         token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
         token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
-        hidden = head.forward_hidden(token_in, hidden, positions + i, mask[..., : (i + 1) * S], kv)
+        q, k, v = before(token_in, hidden, positions + i)  # = head.forward_hidden, in three parts
+        hidden = after(hidden, head.attend(q, k, v, mask[..., : (i + 1) * S], kv))
         b, t = index[i]  # [N_i] each
         ce, agree = loss_fn(head.compute_logits(hidden[b, t]), flat_teacher, b * S + t + shift)  # [N_i], [N_i]
         n = int(b.numel())
@@ -206,6 +213,21 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor,
     return ce, logq.detach().argmax(-1) == teacher.argmax(-1)
 
 
+_COMPILED_PARTS: "weakref.WeakKeyDictionary[Eagle3Head, dict]" = weakref.WeakKeyDictionary()
+
+
+def _step_parts(head: Eagle3Head, compile_head: bool | str | Callable) -> tuple[Callable, Callable]:
+    """The head's ``before_attention`` and ``after_attention``, compiled once per head and backend."""
+    if not compile_head:
+        return head.before_attention, head.after_attention
+    backend = "inductor" if compile_head is True else compile_head
+    per_head = _COMPILED_PARTS.setdefault(head, {})
+    if backend not in per_head:
+        per_head[backend] = (torch.compile(head.before_attention, backend=backend, dynamic=True),
+                             torch.compile(head.after_attention, backend=backend, dynamic=True))
+    return per_head[backend]
+
+
 @functools.cache
 def fused_soft_cross_entropy():
     """``soft_cross_entropy`` compiled by ``torch.compile`` (once per process, dynamic row count):
@@ -223,17 +245,18 @@ class TTTModule(torch.nn.Module):
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], steps: int = 7,
                  decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean",
-                 fused: bool = False):
+                 fused: bool = False, compile_head: bool | str | Callable = False):
         super().__init__()
         self.head = head
         self._embed = (embed,)
         self.steps, self.decay, self.weights, self.reduction, self.fused = steps, decay, weights, reduction, fused
+        self.compile_head = compile_head
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
                         steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction,
-                        fused=self.fused)
+                        fused=self.fused, compile_head=self.compile_head)
 
 
 def simulated_accept_len(acc: torch.Tensor) -> torch.Tensor:
