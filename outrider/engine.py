@@ -143,6 +143,7 @@ class SpecEngine:
         self.compile = compile
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
         self._next: Draft | None = None  # a draft already launched for the next step (pipelined proposers)
+        self._active: tuple[tuple[bool, ...], torch.Tensor] | None = None  # alive flags -> their device copy
 
     def _target_lm(self, B: int, max_len: int, aux_ids) -> CachedLM:
         if not (self.graphs or self.compile):
@@ -213,7 +214,7 @@ class SpecEngine:
                     histories=histories, prompt_lens=plens, last=last, sampling=self.sampling, k=k,
                     max_len=max_len, target_aux=target.aux, device=dev, graphs=self.graphs, compile=self.compile))
             t_dec = time.perf_counter()
-            self._next = None
+            self._next, self._active = None, None
             marks = _Marks(dev)
             run_ahead = self.proposer is None and self.sampling.greedy
             while any(alive):
@@ -235,7 +236,7 @@ class SpecEngine:
     def _step(self, target: CachedLM, last: torch.Tensor, alive: list[bool], rand: RowRandom,
               result: GenerationResult, histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
         B, dev = last.shape[0], last.device
-        active = torch.tensor(alive, device=dev)
+        active = self._active_rows(alive, dev)
         if self.proposer is not None:
             if self._next is None:
                 marks.mark("propose")
@@ -289,8 +290,16 @@ class SpecEngine:
         result.steps += 1
         if self.proposer is not None and not ahead:
             marks.mark("observe")
-            self.proposer.observe(Outcome(draft, n_acc, res.tokens, torch.tensor(alive, device=dev), target.aux))
+            self.proposer.observe(Outcome(draft, n_acc, res.tokens, self._active_rows(alive, dev), target.aux))
         return res.tokens[torch.arange(B, device=dev), n_acc]
+
+    def _active_rows(self, alive: list[bool], dev: torch.device) -> torch.Tensor:
+        """``alive`` as a device tensor [batch] bool, copied again only when a row has stopped
+        (a host-to-device copy waits for the queued work, a pipelined draft included)."""
+        key = tuple(alive)
+        if self._active is None or self._active[0] != key:
+            self._active = (key, torch.tensor(alive, device=dev))
+        return self._active[1]
 
     def _ahead(self, target: CachedLM) -> bool:
         """Pipeline the next draft behind this step's verification? Only for a proposer that needs
