@@ -7,7 +7,8 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 (only throughput is measured here, so the assistant turns need not be the target's), then runs ``train`` for
 ``--steps`` optimizer steps per variant of the ``full`` preset:
 
-- ``full``: the preset as it is (length-grouped batches, loss fused by ``torch.compile``);
+- ``full``: the preset as it is (length-grouped batches, the loss in one-pass Triton kernels);
+- ``compiled-loss``: ``loss_kernel = "compile"`` (the loss fused by ``torch.compile`` instead);
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
 - ``compiled-target``: ``compile_target = true`` (the target's forward under ``torch.compile``);
@@ -20,7 +21,8 @@ after the first three (warm-up, compilation). ``--profile V`` then builds varian
 runs four warm-up steps and profiles the next four optimizer steps alone (no evaluation, no
 checkpoint): it reports the wall time per step, the GPU's busy time per step (kernels and
 copies; the rest of the wall time the GPU waits for the host) and writes the kernels ranked by
-GPU time to ``$OUT/train-profile.txt``.
+GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
+calls of one operator) to ``$OUT/train-profile-shapes.txt``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
 
@@ -46,6 +48,8 @@ def variant_config(name: str, steps: int) -> TrainConfig:
                                              eval_examples=8, time_budget_s=0.0)
     if name == "plain-batches":
         return cfg.replace(group_by_length=0)
+    if name == "compiled-loss":
+        return cfg.replace(loss_kernel="compile")
     if name == "eager-loss":
         return cfg.replace(compile=False)
     if name == "compiled-target":
@@ -98,7 +102,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
         for _ in range(warm):
             tr._train_step(objective)
         _sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             t = time.perf_counter()
             for _ in range(steps):
                 m, _ = tr._train_step(objective)
@@ -109,6 +113,9 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     busy_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
     table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
     table_path.write_text(table)
+    shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=40,
+                                                                max_name_column_width=50, max_shapes_column_width=90)
+    table_path.with_name(table_path.stem + "-shapes.txt").write_text(shapes)
     print(table[:6000])
     return {"variant": name, "steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2),
             "gpu_busy_ms_per_step": round(busy_us / 1e3 / steps, 2),

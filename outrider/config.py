@@ -58,7 +58,8 @@ class TrainConfig:
     init_from_target: bool = False  # start lm_head (draft rows) and the final norm from the target's
     seed: int = 0  # head initialisation and data order
     amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
-    compile: bool = True  # on CUDA, the TTT loss is fused by torch.compile (ignored on CPU)
+    compile: bool = True  # on CUDA, the TTT loss runs in fused kernels (ignored on CPU)
+    loss_kernel: str = "triton"  # those kernels: "triton" (one pass over the logits) or "compile" (torch.compile)
     compile_target: bool = False  # on CUDA, the target's forward (capture) runs torch.compile'd (ignored on CPU)
     compile_head: bool = False  # on CUDA, the head's step around its attention runs torch.compile'd (ignored on CPU)
     time_budget_s: float = 0.0  # > 0: stop (final eval, checkpoint) after this much training; lr anneals by it
@@ -102,6 +103,8 @@ class TrainConfig:
         if isinstance(self.group_by_length, bool) or not isinstance(self.group_by_length, int) \
                 or self.group_by_length < 0:
             raise UserError(f"training setting 'group_by_length' must be an integer >= 0, got {self.group_by_length!r}")
+        if self.loss_kernel not in ("triton", "compile"):
+            raise UserError(f"training setting 'loss_kernel' must be 'triton' or 'compile', got {self.loss_kernel!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
 

@@ -57,28 +57,44 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
         assert got == refs
 
 
-def test_fused_soft_cross_entropy_equals_eager():
-    from outrider.train.ttt import fused_soft_cross_entropy, soft_cross_entropy
+@pytest.mark.parametrize("kernel", ["compile", "triton"])
+@pytest.mark.parametrize("vocab", [1000, 10000])  # one block of the Triton kernel, and several
+def test_fused_soft_cross_entropy_equals_eager(kernel, vocab):
+    from outrider.train import soft_ce
+    from outrider.train.ttt import loss_function, soft_cross_entropy
 
+    if kernel == "triton" and not soft_ce.available():
+        pytest.skip("triton is not installed")
+    fused = loss_function(kernel)
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (300, 77):  # a second row count: the compiled function is dynamic in N
-        logits = torch.randn(rows, 1000, device="cuda", generator=g).requires_grad_(True)  # [N, V]
-        teacher = 3 * torch.randn(rows, 1000, device="cuda", generator=g, dtype=torch.bfloat16)  # [N, V]
+        logits = torch.randn(rows, vocab, device="cuda", generator=g).requires_grad_(True)  # [N, V]
+        teacher = 3 * torch.randn(rows, vocab, device="cuda", generator=g, dtype=torch.bfloat16)  # [N, V]
         ce, agree = soft_cross_entropy(logits, teacher)
         (grad,) = torch.autograd.grad(ce.sum(), logits)
-        ce_f, agree_f = fused_soft_cross_entropy()(logits, teacher)
+        ce_f, agree_f = fused(logits, teacher)
         (grad_f,) = torch.autograd.grad(ce_f.sum(), logits)
         assert torch.allclose(ce_f, ce, rtol=1e-5, atol=1e-5)
         assert torch.equal(agree_f, agree)
         assert torch.allclose(grad_f, grad, rtol=1e-5, atol=1e-6)
         # the teacher's rows picked inside the fused loss: a shuffled, larger teacher
         pick = torch.randperm(2 * rows, device="cuda", generator=g)[:rows]
-        spread = torch.zeros(2 * rows, 1000, device="cuda", dtype=torch.bfloat16).index_copy_(0, pick, teacher)
-        ce_r, agree_r = fused_soft_cross_entropy()(logits, spread, pick)
+        spread = torch.zeros(2 * rows, vocab, device="cuda", dtype=torch.bfloat16).index_copy_(0, pick, teacher)
+        ce_r, agree_r = fused(logits, spread, pick)
         (grad_r,) = torch.autograd.grad(ce_r.sum(), logits)
         assert torch.allclose(ce_r, ce, rtol=1e-5, atol=1e-5)
         assert torch.equal(agree_r, agree)
         assert torch.allclose(grad_r, grad, rtol=1e-5, atol=1e-6)
+        # bf16 logits, as under autocast: the same float32 arithmetic, the gradient in bf16
+        low = logits.detach().bfloat16().requires_grad_(True)
+        ce_e, agree_e = soft_cross_entropy(low, teacher)
+        (grad_e,) = torch.autograd.grad(ce_e.sum(), low)
+        ce_b, agree_b = fused(low, teacher)
+        (grad_b,) = torch.autograd.grad(ce_b.sum(), low)
+        assert grad_b.dtype == torch.bfloat16
+        assert torch.allclose(ce_b, ce_e, rtol=1e-5, atol=1e-4)
+        assert torch.equal(agree_b, agree_e)
+        assert torch.allclose(grad_b.float(), grad_e.float(), rtol=1e-2, atol=1e-5)
 
 
 def test_training_on_cuda_fused_and_eager_agree(tmp_path):

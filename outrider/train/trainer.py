@@ -71,7 +71,7 @@ from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
 from outrider.head import Eagle3Config, Eagle3Head
-from outrider.train import dist
+from outrider.train import dist, soft_ce
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
 from outrider.train.ttt import counted_positions, ttt_loss
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
@@ -163,7 +163,7 @@ def tau_at(acc: Sequence[float], k: int) -> float:
 class _Objective(nn.Module):
     """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
 
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool = False,
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool | str = False,
                  compile_head: bool = False):
         super().__init__()
         self.head = head
@@ -541,7 +541,10 @@ class _Trainer:
                                                            lambda s: lr_factor(s, cfg, self._budget_used()))
         self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
         self.autocast = env.device.type == "cuda" and cfg.amp
-        self.fused = env.device.type == "cuda" and cfg.compile
+        self.fused = cfg.loss_kernel if env.device.type == "cuda" and cfg.compile else False
+        if self.fused == "triton" and not soft_ce.available():
+            self.fused = "compile"
+            self.notes.append("triton cannot be imported: the loss ran torch.compile'd (loss_kernel 'compile')")
         self.flops_per_token_target = self._target_flops_per_token()
         self.peak, self.mfu_note = _peak_flops(env.device)
 

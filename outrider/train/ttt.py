@@ -121,7 +121,7 @@ def counted_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
 def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], aux: torch.Tensor,
              input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
-             weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool = False,
+             weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool | str = False,
              index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
              compile_head: bool | str | Callable = False) -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
@@ -135,7 +135,9 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     attention_mask: [batch, S] 1 on real tokens (None = all real)
     weights:        per-step loss weights; default ``decay**i``
     reduction:      "mean" (each step averaged over its positions) or "sum"
-    fused:          compute the loss with ``torch.compile`` (one pass over the logits; CUDA)
+    fused:          compute the loss in fused kernels: "triton" (``outrider.train.soft_ce``: one pass
+                    over the logits, CUDA), "compile" (``torch.compile``), True (Triton where it can be
+                    imported, else compile), False (eager)
     index:          ``counted_positions(loss_mask, attention_mask, steps)`` on the batch's device,
                     if the caller has it (else computed here, one device round trip per step)
     compile_head:   run the step's parts before and after the attention ``torch.compile``d
@@ -154,7 +156,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     if len(w) != steps:
         raise ValueError(f"{len(w)} step weights for {steps} steps")
     device = input_ids.device
-    loss_fn = fused_soft_cross_entropy() if fused else soft_cross_entropy
+    loss_fn = loss_function(fused)
     before, after = _step_parts(head, compile_head)
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
@@ -228,6 +230,21 @@ def _step_parts(head: Eagle3Head, compile_head: bool | str | Callable) -> tuple[
     return per_head[backend]
 
 
+def loss_function(fused: bool | str) -> Callable:
+    """The soft cross-entropy ``ttt_loss`` uses for its ``fused`` setting (see there)."""
+    from outrider.train import soft_ce
+
+    if fused not in (False, True, "triton", "compile"):
+        raise ValueError(f"fused must be a bool, 'triton' or 'compile', not {fused!r}")
+    if not fused:
+        return soft_cross_entropy
+    if fused == "triton" or (fused is True and soft_ce.available()):
+        if not soft_ce.available():
+            raise RuntimeError("the Triton loss needs the triton package (or use the 'compile' loss kernel)")
+        return soft_ce.soft_cross_entropy_triton
+    return fused_soft_cross_entropy()
+
+
 @functools.cache
 def fused_soft_cross_entropy():
     """``soft_cross_entropy`` compiled by ``torch.compile`` (once per process, dynamic row count):
@@ -245,7 +262,7 @@ class TTTModule(torch.nn.Module):
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], steps: int = 7,
                  decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean",
-                 fused: bool = False, compile_head: bool | str | Callable = False):
+                 fused: bool | str = False, compile_head: bool | str | Callable = False):
         super().__init__()
         self.head = head
         self._embed = (embed,)
