@@ -23,6 +23,9 @@ checkpoint): it reports the wall time per step, the GPU's busy time per step (ke
 copies; the rest of the wall time the GPU waits for the host) and writes the kernels ranked by
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
+``--write-best F`` writes to F the ``full`` preset with the compile settings (``loss_kernel``,
+``compile_target``, ``compile_head``) of the fastest of the variants run (by median tokens/s), for a
+training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
 
@@ -132,6 +135,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--variants", default="full,plain-batches,eager-loss")
     ap.add_argument("--profile", default="full", help="variant to profile ('' = none)")
+    ap.add_argument("--write-best", default=None, help="write the fastest variant's training config here")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +153,13 @@ def main() -> None:
         results["variants"].append(run_variant(name, a.steps, a.data, work, loaded))
         print(json.dumps(results["variants"][-1]), flush=True)
         atomic_write_json(out / "train_profile.json", results)
+    if a.write_best and results["variants"]:
+        best = max(results["variants"], key=lambda v: v["tokens_per_s"])
+        flags = variant_config(best["variant"], a.steps)
+        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_target=flags.compile_target,
+                                                 compile_head=flags.compile_head)
+        cfg.save(a.write_best)
+        results["best"] = {"variant": best["variant"], "config": a.write_best}
     if a.profile:
         results["profile"] = profile_steps(a.profile, a.data, work / "profiled", loaded, out / "train-profile.txt")
         print(json.dumps(results["profile"]), flush=True)
