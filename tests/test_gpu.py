@@ -97,22 +97,40 @@ def test_fused_soft_cross_entropy_equals_eager(kernel, vocab):
         assert torch.allclose(grad_b.float(), grad_e.float(), rtol=1e-2, atol=1e-5)
 
 
-def test_training_on_cuda_fused_and_eager_agree(tmp_path):
+@pytest.fixture(scope="module")
+def cuda_training(tmp_path_factory):
+    """Train a tiny target's head on CUDA under settings; the eager run is shared."""
     from test_trainer import CFG, _conversations
     from tiny import save_tiny
 
     from outrider.train.data import build_dataset
     from outrider.train.trainer import train
 
-    target = save_tiny("llama", tmp_path / "tiny")
-    build_dataset(str(target), str(_conversations(tmp_path / "a.json", 36, 0, 5, 60)), str(tmp_path / "data"),
+    tmp = tmp_path_factory.mktemp("cuda-train")
+    target = save_tiny("llama", tmp / "tiny")
+    build_dataset(str(target), str(_conversations(tmp / "a.json", 36, 0, 5, 60)), str(tmp / "data"),
                   eval_fraction=0.2, progress=False)
-    cfg = CFG.replace(amp=False, steps=6, eval_every=6, save_every=6)
-    reports = [train(str(target), str(tmp_path / "data"), str(tmp_path / name),
-                     config=cfg.replace(compile=fused, compile_target=fused, compile_head=fused), device="cuda",
-                     progress=False)
-               for name, fused in (("fused", True), ("eager", False))]
-    losses = [[json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-               if json.loads(x)["type"] == "train"] for name in ("fused", "eager")]
-    assert all(r.steps == 6 for r in reports) and len(losses[0]) == 6
-    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    base = CFG.replace(amp=False, steps=6, eval_every=6, save_every=6, compile=False)
+    done = {}
+
+    def run(name: str, **flags):
+        if name not in done:
+            report = train(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
+                           device="cuda", progress=False)
+            losses = [json.loads(x)["loss"] for x in (tmp / name / "metrics.jsonl").read_text().splitlines()
+                      if json.loads(x)["type"] == "train"]
+            done[name] = report, losses
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("flags", [{"compile": True, "loss_kernel": "triton"},
+                                   {"compile": True, "loss_kernel": "compile"},
+                                   {"compile_target": True}, {"compile_head": True}],
+                         ids=["triton-loss", "compiled-loss", "compiled-target", "compiled-head"])
+def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
+    report, losses = cuda_training("-".join(f"{k}={v}" for k, v in flags.items()), **flags)
+    _, eager = cuda_training("eager")
+    assert report.steps == 6 and len(losses) == 6
+    assert losses == pytest.approx(eager, rel=1e-4)

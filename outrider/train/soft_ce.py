@@ -104,8 +104,8 @@ def _kernels():
     return forward, backward
 
 
-_BLOCK = 4096
-_WARPS = 8
+_BLOCK = 2048  # the fastest of (1024..8192, 4..16 warps) on an H200 at [16000, 32000] bf16 (soft_ce_bench.py)
+_WARPS = 4
 
 
 class _SoftCE(torch.autograd.Function):
