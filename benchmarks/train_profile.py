@@ -16,7 +16,9 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 - ``compiled-all``: both;
 - ``bsN``: the preset with ``batch_size = N``.
 
-Per variant: median tokens/s (real tokens, the target's forward included) and MFU over the steps
+The first variant of a process pays one-time costs on a GPU (its median came out at less than half
+of the same variant's run second: allocator growth, kernel plans): list a throwaway variant
+first, or the same one twice. Per variant: median tokens/s (real tokens, the target's forward included) and MFU over the steps
 after the first three (warm-up, compilation). ``--profile V`` then builds variant V's trainer,
 runs four warm-up steps and profiles the next four optimizer steps alone (no evaluation, no
 checkpoint): it reports the wall time per step, the GPU's busy time per step (kernels and
@@ -68,8 +70,8 @@ def variant_config(name: str, steps: int) -> TrainConfig:
     return cfg
 
 
-def run_variant(name: str, steps: int, data: str, work: Path, loaded) -> dict:
-    out = work / name
+def run_variant(name: str, steps: int, data: str, work: Path, loaded, position: int = 0) -> dict:
+    out = work / f"{position}-{name}"
     t = time.perf_counter()
     rep = train("default", data, str(out), config=variant_config(name, steps), progress=False, loaded_target=loaded)
     wall = time.perf_counter() - t
@@ -150,7 +152,7 @@ def main() -> None:
     loaded = load_model("default", device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
     results["variants"] = []
     for name in [v for v in a.variants.split(",") if v]:
-        results["variants"].append(run_variant(name, a.steps, a.data, work, loaded))
+        results["variants"].append(run_variant(name, a.steps, a.data, work, loaded, len(results["variants"])))
         print(json.dumps(results["variants"][-1]), flush=True)
         atomic_write_json(out / "train_profile.json", results)
     if a.write_best and results["variants"]:
