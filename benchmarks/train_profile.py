@@ -7,13 +7,12 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 (only throughput is measured here, so the assistant turns need not be the target's), then runs ``train`` for
 ``--steps`` optimizer steps per variant of the ``full`` preset:
 
-- ``full``: the preset as it is (length-grouped batches, the loss in one-pass Triton kernels);
+- ``full``: the preset as it is (length-grouped batches, the loss in one-pass Triton kernels, the
+  head's step around its attention ``torch.compile``d);
 - ``compiled-loss``: ``loss_kernel = "compile"`` (the loss fused by ``torch.compile`` instead);
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
-- ``compiled-target``: ``compile_target = true`` (the target's forward under ``torch.compile``);
-- ``compiled-head``: ``compile_head = true`` (the head's step around its attention compiled);
-- ``compiled-all``: both;
+- ``eager-head``: ``compile_head = false`` (the head's step in eager kernels);
 - ``bsN``: the preset with ``batch_size = N``.
 
 The first variant of a process pays one-time costs on a GPU (its median came out at less than half
@@ -26,7 +25,7 @@ copies; the rest of the wall time the GPU waits for the host) and writes the ker
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
 ``--write-best F`` writes to F the ``full`` preset with the compile settings (``loss_kernel``,
-``compile_target``, ``compile_head``) of the fastest of the variants run (by median tokens/s), for a
+``compile_head``) of the fastest of the variants run (by median tokens/s), for a
 training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
@@ -57,12 +56,8 @@ def variant_config(name: str, steps: int) -> TrainConfig:
         return cfg.replace(loss_kernel="compile")
     if name == "eager-loss":
         return cfg.replace(compile=False)
-    if name == "compiled-target":
-        return cfg.replace(compile_target=True)
-    if name == "compiled-head":
-        return cfg.replace(compile_head=True)
-    if name == "compiled-all":
-        return cfg.replace(compile_target=True, compile_head=True)
+    if name == "eager-head":
+        return cfg.replace(compile_head=False)
     if name.startswith("bs"):
         return cfg.replace(batch_size=int(name[2:]))
     if name != "full":
@@ -102,7 +97,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
     objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cfg.compile_head)
     tokens = 0
-    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, compile=cfg.compile_target) as capture:
+    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids) as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)
@@ -158,8 +153,7 @@ def main() -> None:
     if a.write_best and results["variants"]:
         best = max(results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
-        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_target=flags.compile_target,
-                                                 compile_head=flags.compile_head)
+        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_head=flags.compile_head)
         cfg.save(a.write_best)
         results["best"] = {"variant": best["variant"], "config": a.write_best}
     if a.profile:

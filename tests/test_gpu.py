@@ -127,8 +127,8 @@ def cuda_training(tmp_path_factory):
 
 @pytest.mark.parametrize("flags", [{"compile": True, "loss_kernel": "triton"},
                                    {"compile": True, "loss_kernel": "compile"},
-                                   {"compile_target": True}, {"compile_head": True}],
-                         ids=["triton-loss", "compiled-loss", "compiled-target", "compiled-head"])
+                                   {"compile_head": True}],
+                         ids=["triton-loss", "compiled-loss", "compiled-head"])
 def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
     report, losses = cuda_training("-".join(f"{k}={v}" for k, v in flags.items()), **flags)
     _, eager = cuda_training("eager")

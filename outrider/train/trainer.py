@@ -660,8 +660,7 @@ class _Trainer:
         if self.resume_state is not None:
             _set_rng_state(self.resume_state["rng"])
         try:
-            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids,
-                               compile=env.device.type == "cuda" and cfg.compile_target) as capture:
+            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids) as capture:
                 self.capture = capture
                 while self.step < self.stop_at:
                     t0 = time.perf_counter()
