@@ -235,12 +235,13 @@ def train_bench(a) -> None:
     batches = [int(x) for x in a.batches.split(",") if x]
     for item in [x for x in a.passes.split(",") if x]:
         pass_name, _, methods = item.partition(":")
-        compiled = pass_name == "compiled"
+        compiled = pass_name.startswith("compiled")
+        rounds = 0 if pass_name.endswith("-steps") else 8  # "-steps": one speculative step per synchronisation
         ar = SpecEngine(model, None, eos_ids=eos, graphs=True, compile=compiled)
         for method in [m for m in methods.split("+") if m and (m != "eagle3" or Path(head_dir).exists())]:
             draft = head_dir if method == "eagle3" else None
             proposer = build_proposer(method, model, tok, draft, device=model.device)
-            spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled)
+            spec = SpecEngine(model, proposer, k=1, eos_ids=eos, graphs=True, compile=compiled, rounds=rounds)
             for batch, k in [(b, k) for b in batches for k in ks]:
                 def one():
                     r = bench("default", method, draft=draft, k=k, num_prompts=-(-a.num_prompts // batch) * batch,
@@ -282,7 +283,8 @@ def main():
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
     ap.add_argument("--passes", default="eager:ngram+eagle3,compiled:eagle3+ngram",
                     help="train-bench: comma-separated PASS:METHOD+METHOD, PASS = eager (graphs of eager kernels) "
-                         "or compiled (graphs of torch.compile-fused steps)")
+                         "or compiled (graphs of torch.compile-fused steps); a '-steps' suffix (compiled-steps) "
+                         "runs greedy EAGLE-3 one step per host synchronisation instead of device rounds")
     ap.add_argument("--batches", default="1", help="train-bench: batch sizes, e.g. 1,4,16,64")
     ap.add_argument("--repeats", type=int, default=3, help="train-bench: (AR, method) pass pairs per row")
     ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "

@@ -19,6 +19,9 @@ no host decision between steps: it runs ``AR_CHUNK`` steps per synchronisation (
 step that feeds its own argmax back), checking EOS once per chunk. A proposer that works on the
 device alone (``device_side``, EAGLE-3) is pipelined on CUDA: the next draft is launched behind
 the verification, before the host reads the outcome, so the host's bookkeeping overlaps it.
+A greedy proposer that drafts with device operations alone (``device_rounds``, EAGLE-3) runs,
+after that first step, whole rounds on the device: verification, acceptance, commit and the next
+draft, ``rounds`` (8) rounds per synchronisation, replayed as two CUDA graphs (``spec_rounds.py``).
 
 Not done here: continuous batching (requests join only at prefill), trees, prompt caching
 across calls.
@@ -36,6 +39,7 @@ from outrider.errors import UserError, require
 from outrider.kv_cache import CachedLM
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, SamplingParams, probs, sample
+from outrider.spec_rounds import DeviceRounds
 from outrider.verify import verify_greedy, verify_sampling
 
 
@@ -129,7 +133,10 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False):
+                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False, rounds: int = 8):
+        # rounds: greedy speculation with a device_rounds proposer runs up to this many rounds per
+        # host synchronisation on the device (0: one step per synchronisation, as other proposers)
+        require(rounds >= 0, f"rounds must be >= 0, got {rounds}")
         if proposer is not None:
             require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
         self.target = target
@@ -141,9 +148,12 @@ class SpecEngine:
         self.device = next(target.parameters()).device
         self.graphs = graphs and self.device.type == "cuda"
         self.compile = compile
+        self.rounds = rounds
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
         self._next: Draft | None = None  # a draft already launched for the next step (pipelined proposers)
         self._active: tuple[tuple[bool, ...], torch.Tensor] | None = None  # alive flags -> their device copy
+        self._rounds: DeviceRounds | None = None  # the device rounds of the current batch
+        self._rounds_pool: dict[tuple[int, int], DeviceRounds] = {}  # (batch, k) -> rounds (and their CUDA graph)
 
     def _target_lm(self, B: int, max_len: int, aux_ids) -> CachedLM:
         if not (self.graphs or self.compile):
@@ -217,11 +227,16 @@ class SpecEngine:
             self._next, self._active = None, None
             marks = _Marks(dev)
             run_ahead = self.proposer is None and self.sampling.greedy
+            use_rounds = self._device_rounds(target)
+            first = True
             while any(alive):
                 if run_ahead:
                     last = self._greedy_chunk(target, last, alive, result, histories, max_new_tokens, marks)
+                elif use_rounds and not first:  # the first step drafted from the prompt; then whole rounds
+                    last = self._round_chunk(target, last, alive, result, histories, max_new_tokens, marks)
                 else:
                     last = self._step(target, last, alive, rand, result, histories, max_new_tokens, marks)
+                first = False
             marks.mark("end")
             result.decode_s = self._clock() - t_dec
             spans = marks.totals()
@@ -281,12 +296,7 @@ class SpecEngine:
         for b in range(B):
             if not alive[b]:
                 continue
-            n, num, toks = host[b][0], host[b][1], host[b][2:]
-            result.row_steps += 1
-            for i in range(kk):
-                result.proposed[i] += int(num > i)
-                result.accepted[i] += int(n > i)
-            self._emit(b, toks[:n + 1], result, histories, alive, max_new)
+            self._account(b, host[b], kk, result, histories, alive, max_new)
         result.steps += 1
         if self.proposer is not None and not ahead:
             marks.mark("observe")
@@ -306,6 +316,47 @@ class SpecEngine:
         nothing from the host (``device_side``), over a static cache (whose spare slots absorb a
         commit that does not know how many drafts were accepted; graphs or compile)."""
         return self.proposer is not None and getattr(self.proposer, "device_side", False) and target.cache.static
+
+    def _device_rounds(self, target: CachedLM) -> bool:
+        """Run greedy speculation as device rounds (``outrider.spec_rounds``)? For a proposer that
+        drafts with device operations alone, over a static cache, after a pipelined first step."""
+        return (self.rounds > 0 and self.sampling.greedy and getattr(self.proposer, "device_rounds", False)
+                and self._ahead(target))
+
+    def _round_chunk(self, target: CachedLM, last: torch.Tensor, alive: list[bool], result: GenerationResult,
+                     histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
+        """Up to ``self.rounds`` speculative rounds per host synchronisation, all on the device.
+
+        The chunk never runs past what the longest remaining request can still need (a round
+        emits at most k+1 tokens); a row that stops inside it ignores its later rounds. The
+        tokens are the ones ``_step`` would emit; verification and draft are timed apart.
+        """
+        B, k, dev = last.shape[0], self.k, last.device
+        left = max(max_new - len(result.tokens[b]) for b in range(B) if alive[b])
+        n = max(1, min(self.rounds, -(-left // (k + 1))))
+        active = self._active_rows(alive, dev)
+        if self._next is not None:  # the draft the pipelined first step launched
+            rounds = self._rounds_pool.get((B, k))
+            if rounds is None or not rounds.key_matches(target, self.proposer, B, k, self.rounds):
+                rounds = DeviceRounds(target, self.proposer, B, k, self.rounds, self.graphs)
+                if self.graphs:  # kept with its graph; elsewhere caches are not reused either
+                    self._rounds_pool[(B, k)] = rounds
+            self._rounds = rounds
+            self._rounds.load(last, self._next.tokens, active)
+            self._next = None
+        else:
+            self._rounds.active.copy_(active)
+        host = self._rounds.run(n, marks.mark).tolist()  # [batch][round][n_acc, num, k+1 tokens]
+        marks.mark("observe")
+        for r in range(n):
+            if not any(alive):
+                break
+            for b in range(B):
+                if not alive[b]:
+                    continue
+                self._account(b, host[b][r], k, result, histories, alive, max_new)
+            result.steps += 1
+        return self._rounds.last
 
     def _greedy_chunk(self, target: CachedLM, last: torch.Tensor, alive: list[bool], result: GenerationResult,
                       histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
@@ -329,6 +380,16 @@ class SpecEngine:
         result.steps += n
         marks.mark("observe")
         return toks[:, -1]
+
+    def _account(self, b: int, record: list[int], k: int, result: GenerationResult, histories: list[list[int]],
+                 alive: list[bool], max_new: int) -> None:
+        """One step of row b from its record [accepted, drafted, k+1 verified tokens]: counts, then emit."""
+        n, num, toks = record[0], record[1], record[2:]
+        result.row_steps += 1
+        for i in range(k):
+            result.proposed[i] += int(num > i)
+            result.accepted[i] += int(n > i)
+        self._emit(b, toks[:n + 1], result, histories, alive, max_new)
 
     def _emit(self, b: int, toks: list[int], result: GenerationResult, histories: list[list[int]],
               alive: list[bool], max_new: int) -> None:

@@ -55,6 +55,9 @@ class Proposer:
     # True: observe/propose use device tensors only, so the engine may call them before the host
     # has read the step's outcome (``Outcome.active`` is then the rows active during the step)
     device_side = False
+    # True: ``propose_device`` drafts greedily with plain device operations (no graph replay, no
+    # host value), so the engine may run whole rounds on the device (``outrider.spec_rounds``)
+    device_rounds = False
 
     def start(self, ctx: StartContext) -> None:
         self.ctx = ctx
@@ -64,6 +67,18 @@ class Proposer:
 
     def observe(self, outcome: Outcome) -> None:
         return None
+
+    def propose_device(self, k: int) -> torch.Tensor:
+        """Greedy draft tokens [batch, k] from device operations alone (``device_rounds`` proposers)."""
+        raise NotImplementedError
+
+    def device_state(self) -> list[torch.Tensor]:
+        """Tensors that ``observe`` and ``propose_device`` update in place (restored after a graph's warm-up)."""
+        return []
+
+    def device_anchor(self) -> object:
+        """An object whose identity changes when the buffers ``propose_device`` writes are reallocated."""
+        return self
 
     def close(self) -> None:
         return None

@@ -70,6 +70,7 @@ class HeadCache:
 class Eagle3Proposer(Proposer):
     name = "eagle3"
     device_side = True
+    device_rounds = True
 
     def __init__(self, head: torch.nn.Module, target: torch.nn.Module):
         self.head = head
@@ -77,6 +78,7 @@ class Eagle3Proposer(Proposer):
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
         self._fused: dict[str, tuple] = {}  # backend -> (compiled layer, compiled greedy draw)
+        self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
 
     @classmethod
     def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
@@ -92,13 +94,16 @@ class Eagle3Proposer(Proposer):
         B = len(ctx.histories)
         self.dev = ctx.device
         self.use_graphs = ctx.graphs and self.dev.type == "cuda" and ctx.sampling.greedy
-        old = getattr(self, "cache", None)
-        if self.use_graphs and old is not None and old.lengths.shape[0] == B and old.max_len >= ctx.max_len:
-            old.lengths.zero_()  # reused with its graphs: stale entries sit past the lengths, masked
+        old = self._pool.get(B) if self.use_graphs else None
+        if old is not None and old[0].max_len >= ctx.max_len:
+            self.cache, self._graphs = old  # reused with its graphs: stale entries sit past the lengths, masked
+            self.cache.lengths.zero_()
         else:  # graph mode sizes the cache in steps of 512 so that later requests can reuse it
             size = -(-ctx.max_len // 512) * 512 if self.use_graphs else ctx.max_len
             self.cache = HeadCache(B, size, self.dev)
             self._graphs: dict[tuple[int, int, int], tuple] = {}
+            if self.use_graphs:  # one cache (and its graphs) per batch size
+                self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
         self._layer, self._greedy_draw = self.head.forward_hidden, self._draw_greedy
         if ctx.compile:  # the head's layer and the greedy draw fused by torch.compile (then captured in graphs)
@@ -196,6 +201,16 @@ class Eagle3Proposer(Proposer):
         else:
             tokens, q = self._chain(aux, nxt, valid, k)
         return Draft(tokens, torch.full((B,), k, device=self.dev), q)
+
+    def propose_device(self, k: int) -> torch.Tensor:
+        """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""
+        return self._chain(*self.pending, k)[0]
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.cache.lengths]
+
+    def device_anchor(self) -> object:
+        return self.cache
 
     def observe(self, outcome: Outcome) -> None:
         n_new = outcome.num_accepted + 1  # [batch] committed target positions this step

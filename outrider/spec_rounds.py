@@ -1,0 +1,142 @@
+"""Greedy speculative rounds that run on the device back to back, a chunk per host synchronisation.
+
+Contract. ``DeviceRounds(target, proposer, batch, k)`` binds a ``CachedLM`` over a static slot
+cache (``read_len="max"``: slot arithmetic on the device) and a ``device_side`` proposer that offers
+``propose_device(k)`` (plain device operations, no graph replay of its own). One *round* is
+
+    verify   the target's forward over [last, d_1..d_k] in slots ptr..ptr+k, greedy acceptance
+             (``verify_greedy``), rows not ``active`` accept nothing and emit nothing;
+    commit   the accepted slots become valid, the rows' lengths grow, ptr advances by k+1 on the
+             device (rejected slots stay masked; every round takes k+1 slots whatever it accepts);
+    record   (accepted count, drafted count, the k+1 verified tokens) into a device buffer;
+    draft    ``proposer.observe`` then ``proposer.propose_device(k)`` for the next round.
+
+``run(rounds)`` queues that many rounds without reading anything back and returns the records
+``[batch, rounds, 2 + k+1]`` (on the device; the caller reads them once). The tokens are exactly
+those the engine's one-step-per-synchronisation loop emits: the same operations in the same order.
+On CUDA with ``graphs=True`` a round is captured once as two CUDA graphs, replayed back to back:
+the verification (the target's step, the acceptance, the commit) and the draft (the head's whole
+chain); two rather than one so that each can be timed with events between them. Elsewhere the
+round runs eagerly.
+A row that stops inside a chunk (EOS, length) keeps running to the chunk's end: the caller ignores
+its later records, and its extra cache entries are never read by another row.
+
+Not done here: sampling (its random draws and residual distributions stay on the per-step path),
+trees, proposers that need the host (n-gram).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from outrider.kv_cache import CachedLM, capture_graph
+from outrider.proposers.base import Draft, Outcome, Proposer
+from outrider.verify import verify_greedy
+
+
+class DeviceRounds:
+    """One batch's device-side round: static buffers, and its CUDA graph once captured."""
+
+    def __init__(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int, graphs: bool):
+        dev = target.device
+        self.target, self.proposer, self.k, self.max_rounds = target, proposer, k, max_rounds
+        self.anchor = proposer.device_anchor()  # the graph writes into its buffers
+        self.graphs = graphs and dev.type == "cuda"
+        self.last = torch.zeros(batch, dtype=torch.long, device=dev)  # [batch] the token each row feeds first
+        self.draft = torch.zeros(batch, k, dtype=torch.long, device=dev)  # [batch, k] the round's draft
+        self.active = torch.ones(batch, dtype=torch.bool, device=dev)  # [batch] rows still generating
+        self.records = torch.zeros(batch, max_rounds, k + 3, dtype=torch.long, device=dev)  # [batch, R, 2+k+1]
+        self.counter = torch.zeros(1, dtype=torch.long, device=dev)  # next record index
+        self._positions = torch.arange(k + 1, device=dev)  # [k+1]
+        self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
+
+    def key_matches(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int) -> bool:
+        return (self.target is target and self.proposer is proposer and self.anchor is proposer.device_anchor()
+                and self.last.shape[0] == batch and self.k == k and self.max_rounds >= max_rounds)
+
+    def load(self, last: torch.Tensor, draft: torch.Tensor, active: torch.Tensor) -> None:
+        # last: [batch]; draft: [batch, k]; active: [batch] bool
+        self.last.copy_(last)
+        self.draft.copy_(draft)
+        self.active.copy_(active)
+
+    def _verify(self) -> tuple[torch.Tensor, ...]:
+        """Verify, commit and record one round: (num, n_acc, tokens, aux) for ``_draft``."""
+        cache, k = self.target.cache, self.k
+        slots = cache.write_slots  # the persistent width-(k+1) slot buffer of begin(k+1)
+        torch.add(cache._arange[:k + 1], cache.ptr_dev, out=slots)
+        ids = torch.cat([self.last[:, None], self.draft], dim=1)  # [batch, k+1]
+        logits, aux = self.target._body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
+        num = torch.where(self.active, k, 0)  # [batch] drafted tokens that count
+        res = verify_greedy(self.draft, num, logits)
+        n_acc = torch.where(self.active, res.num_accepted, 0)  # [batch]
+        keep = (self._positions[None, :] <= n_acc[:, None]) & self.active[:, None]  # [batch, k+1]
+        cache.valid.index_copy_(1, slots, keep)
+        cache.lengths.add_(keep.sum(dim=1))
+        cache.ptr_dev.add_(k + 1)
+        record = torch.cat([n_acc[:, None], num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
+        self.records.index_copy_(1, self.counter, record[:, None])
+        self.counter.add_(1)
+        self.last.copy_(res.tokens.gather(1, n_acc[:, None])[:, 0])
+        return num, n_acc, res.tokens, aux
+
+    def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> None:
+        """Feed the round's outcome to the proposer and draft the next round."""
+        self.proposer.observe(Outcome(Draft(self.draft, num), n_acc, tokens, self.active, aux))
+        self.draft.copy_(self.proposer.propose_device(self.k))
+
+    def _state(self) -> Sequence[torch.Tensor]:
+        cache = self.target.cache
+        return (cache.valid, cache.lengths, cache.ptr_dev, self.last, self.draft, self.counter,
+                *self.proposer.device_state())
+
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
+        """Capture the round as two graphs (verification, draft) so that each can be timed; every
+        warm-up leaves the state tensors as they were."""
+        state = self._state()
+        saved = [t.clone() for t in state]
+
+        def restore():
+            for dst, src in zip(state, saved):
+                dst.copy_(src)
+
+        dev = self.target.device
+        verify, outputs = capture_graph(self._verify, dev, warmups=3, after_each=restore)
+        restore()
+        verify.replay()  # the draft's warm-up reads real outputs of a verification
+        draft, _ = capture_graph(lambda: self._draft(*outputs), dev, warmups=3)
+        restore()
+        return verify, draft
+
+    @torch.no_grad()
+    def run(self, rounds: int, mark: Callable[[str], None] | None = None) -> torch.Tensor:
+        """Queue ``rounds`` rounds; returns their records ``[batch, rounds, 2 + k+1]`` (device).
+
+        ``mark(name)`` is called before each round's verification ("verify") and its draft
+        ("propose"), for timing without a host synchronisation (``engine._Marks``).
+        """
+        cache, k = self.target.cache, self.k
+        if not 1 <= rounds <= self.max_rounds:
+            raise ValueError(f"rounds must be in 1..{self.max_rounds}, got {rounds}")
+        if cache.ptr + rounds * (k + 1) > cache.max_len:
+            raise RuntimeError(f"KV cache full: {cache.ptr} + {rounds} x {k + 1} slots > max_len {cache.max_len}")
+        mark = mark or (lambda name: None)
+        cache.begin(k + 1)  # the slot buffer and ptr_dev for this chunk
+        self.counter.zero_()
+        if self.graphs and self._graphs is None:
+            self._graphs = self._capture()
+        for _ in range(rounds):
+            mark("verify")
+            if self._graphs is not None:
+                self._graphs[0].replay()
+                mark("propose")
+                self._graphs[1].replay()
+            else:
+                outputs = self._verify()
+                mark("propose")
+                self._draft(*outputs)
+        cache.ptr += rounds * (k + 1)
+        cache.n_pending = 0
+        return self.records[:, :rounds]

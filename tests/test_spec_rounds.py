@@ -1,0 +1,114 @@
+"""Device rounds (``outrider.spec_rounds``): whole greedy speculative rounds on the device, several
+per host synchronisation, emit exactly what the one-step-per-synchronisation loop emits.
+
+On the CPU the static cache (``read_len="max"``) takes the same slot arithmetic as on a GPU, and
+the rounds run eagerly. ``Scripted`` is a device-side proposer that knows the target's greedy
+continuation and spoils some of its drafts on purpose, so that every acceptance length from 0 to
+k occurs; the engine, the cache and the target are the real ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.engine import SpecEngine
+from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.proposers.eagle3 import Eagle3Proposer
+from outrider.spec_rounds import DeviceRounds
+
+from test_eagle3_proposer import _head
+from test_engine import _hf_greedy, _prompts
+
+MAX_NEW = 30
+
+
+class Scripted(Proposer):
+    """Drafts the next k tokens of each row's reference continuation, with draft position
+    ``round mod (k+1)`` of a row spoiled (none when it is k): every acceptance length from 0 to k
+    occurs (device operations only)."""
+
+    name = "scripted"
+    device_side = True
+    device_rounds = True
+
+    def __init__(self, refs: list[list[int]], vocab: int):
+        self.refs, self.vocab = refs, vocab
+
+    def start(self, ctx: StartContext) -> None:
+        super().start(ctx)
+        width = max(len(r) for r in self.refs) + ctx.k + 2
+        self.ref = torch.zeros(len(self.refs), width, dtype=torch.long, device=ctx.device)  # [batch, width]
+        for b, r in enumerate(self.refs):
+            self.ref[b, :len(r)] = torch.tensor(r)
+        self.pos = torch.ones(len(self.refs), dtype=torch.long, device=ctx.device)  # [batch] next ref index
+        self.rounds = torch.zeros(len(self.refs), dtype=torch.long, device=ctx.device)  # [batch]
+
+    def propose_device(self, k: int) -> torch.Tensor:
+        idx = (self.pos[:, None] + torch.arange(k, device=self.pos.device)).clamp_max(self.ref.shape[1] - 1)
+        good = self.ref.gather(1, idx)  # [batch, k]
+        spoil = torch.arange(k, device=idx.device)[None, :] == (self.rounds[:, None] % (k + 1))
+        return torch.where(spoil, (good + 1) % self.vocab, good)
+
+    def propose(self, k: int) -> Draft:
+        tokens = self.propose_device(k)
+        return Draft(tokens, torch.full((tokens.shape[0],), k, device=tokens.device))
+
+    def observe(self, outcome: Outcome) -> None:
+        self.pos += torch.where(outcome.active, outcome.num_accepted + 1, 0)
+        self.rounds += 1
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.pos, self.rounds]
+
+
+def _run(model, prompts, refs, k, read_len, eos=(), rounds=8):
+    engine = SpecEngine(model, Scripted(refs, model.config.vocab_size), k=k, read_len=read_len, eos_ids=eos,
+                        rounds=rounds)
+    return engine, engine.generate(prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_rounds_emit_what_the_step_loop_emits(tiny_models, k):
+    model = tiny_models("llama")
+    prompts = _prompts()
+    refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    engine, rounds = _run(model, prompts, refs, k, "max")
+    assert isinstance(engine._rounds, DeviceRounds)  # the rounds ran
+    _, steps = _run(model, prompts, refs, k, "used")
+    stepped, pipelined = _run(model, prompts, refs, k, "max", rounds=0)  # the static cache, one step per sync
+    assert stepped._rounds is None
+    assert rounds.tokens == refs == steps.tokens == pipelined.tokens
+    assert pipelined.accepted == steps.accepted
+    assert (rounds.steps, rounds.row_steps) == (steps.steps, steps.row_steps)
+    assert rounds.proposed == steps.proposed and rounds.accepted == steps.accepted
+    assert rounds.tau > 1.3  # accepted drafts do occur ...
+    assert 0 < rounds.accepted[-1] < rounds.proposed[-1]  # ... and so do rejections
+
+
+def test_rows_stopping_inside_a_chunk(tiny_models):
+    """One row meets EOS, the others run to the length limit; each stops where plain decoding does."""
+    model = tiny_models("llama")
+    prompts = _prompts()
+    full = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    eos = full[1][7]  # a token that ends row 1 early (and may end the others where it occurs)
+    want = []
+    for r in full:
+        cut = r.index(eos) + 1 if eos in r else len(r)
+        want.append(r[:cut])
+    engine, got = _run(model, prompts, full, 3, "max", eos=(eos,))
+    assert got.tokens == want
+    _, steps = _run(model, prompts, full, 3, "used", eos=(eos,))
+    assert got.accepted == steps.accepted and got.row_steps == steps.row_steps
+
+
+def test_eagle3_rounds_equal_transformers(tiny_kind, tiny_models):
+    """A real EAGLE-3 head through the rounds, twice with one engine (on the CPU each call builds its
+    cache and rounds anew; graph mode's reuse is checked in ``test_gpu.py``)."""
+    model = tiny_models(tiny_kind)
+    prompts = _prompts()
+    refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    engine = SpecEngine(model, Eagle3Proposer(_head(model), model), k=4, read_len="max")
+    for _ in range(2):
+        assert engine.generate(prompts, MAX_NEW).tokens == refs
+        assert isinstance(engine._rounds, DeviceRounds)
