@@ -50,6 +50,8 @@ class DeviceRounds:
         self.records = torch.zeros(batch, max_rounds, k + 3, dtype=torch.long, device=dev)  # [batch, R, 2+k+1]
         self.counter = torch.zeros(1, dtype=torch.long, device=dev)  # next record index
         self._positions = torch.arange(k + 1, device=dev)  # [k+1]
+        self._full = torch.full((batch,), k, dtype=torch.long, device=dev)  # [batch] k drafted per row
+        self._none = torch.zeros(batch, dtype=torch.long, device=dev)  # [batch]
         self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
 
     def key_matches(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int) -> bool:
@@ -69,9 +71,9 @@ class DeviceRounds:
         torch.add(cache._arange[:k + 1], cache.ptr_dev, out=slots)
         ids = torch.cat([self.last[:, None], self.draft], dim=1)  # [batch, k+1]
         logits, aux = self.target._body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
-        num = torch.where(self.active, k, 0)  # [batch] drafted tokens that count
+        num = torch.where(self.active, self._full, self._none)  # [batch] drafted tokens that count
         res = verify_greedy(self.draft, num, logits)
-        n_acc = torch.where(self.active, res.num_accepted, 0)  # [batch]
+        n_acc = torch.where(self.active, res.num_accepted, self._none)  # [batch]
         keep = (self._positions[None, :] <= n_acc[:, None]) & self.active[:, None]  # [batch, k+1]
         cache.valid.index_copy_(1, slots, keep)
         cache.lengths.add_(keep.sum(dim=1))
