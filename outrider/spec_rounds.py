@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from outrider.kv_cache import CachedLM, capture_graph
+from outrider.kv_cache import CachedLM, capture_graph, graph_safe_experts
 from outrider.proposers.base import Draft, Outcome, Proposer
 from outrider.verify import verify_greedy
 
@@ -105,11 +105,13 @@ class DeviceRounds:
                 dst.copy_(src)
 
         dev = self.target.device
-        verify, outputs = capture_graph(self._verify, dev, warmups=3, after_each=restore)
+        with graph_safe_experts(self.target.model):  # the experts the target's own graphs use
+            verify, outputs = capture_graph(self._verify, dev, warmups=3, after_each=restore)
+            restore()
+            verify.replay()  # the draft's warm-up reads real outputs of a verification
+            draft, _ = capture_graph(lambda: self._draft(*outputs), dev, warmups=3)
         restore()
-        verify.replay()  # the draft's warm-up reads real outputs of a verification
-        draft, _ = capture_graph(lambda: self._draft(*outputs), dev, warmups=3)
-        restore()
+        self._outputs = outputs  # the draft graph reads them: kept alive with the graphs
         return verify, draft
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ import json, torch
 from outrider.train.soft_ce import soft_cross_entropy_triton
 from outrider.train.ttt import soft_cross_entropy
 torch.manual_seed(0)
-N, M, V = 9, 13, 5000  # two blocks of 4096, the second partly past V
+N, M, V = 9, 13, 5000  # three blocks of 2048, the last partly past V
 x = 3 * torch.randn(N, V)
 t = 4 * torch.randn(M, V)
 rows = torch.randint(0, M, (N,))

@@ -156,7 +156,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     if len(w) != steps:
         raise ValueError(f"{len(w)} step weights for {steps} steps")
     device = input_ids.device
-    loss_fn = loss_function(fused)
+    loss_fn = loss_function(fused if device.type == "cuda" or not fused else "compile")
     before, after = _step_parts(head, compile_head)
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
