@@ -66,5 +66,6 @@ def test_loss_function_choices():
     assert loss_function("compile") is fused_soft_cross_entropy()
     assert loss_function(True) is (soft_ce.soft_cross_entropy_triton if soft_ce.available()
                                    else fused_soft_cross_entropy())
+    assert loss_function("triton", "cpu") is fused_soft_cross_entropy()  # the kernels serve CUDA tensors
     with pytest.raises(ValueError):
         loss_function("cuda")

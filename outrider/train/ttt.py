@@ -136,8 +136,8 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     weights:        per-step loss weights; default ``decay**i``
     reduction:      "mean" (each step averaged over its positions) or "sum"
     fused:          compute the loss in fused kernels: "triton" (``outrider.train.soft_ce``: one pass
-                    over the logits, CUDA), "compile" (``torch.compile``), True (Triton where it can be
-                    imported, else compile), False (eager)
+                    over the logits; CUDA tensors only, compiled elsewhere), "compile" (``torch.compile``),
+                    True (Triton where it can be imported, else compile), False (eager)
     index:          ``counted_positions(loss_mask, attention_mask, steps)`` on the batch's device,
                     if the caller has it (else computed here, one device round trip per step)
     compile_head:   run the step's parts before and after the attention ``torch.compile``d
@@ -156,7 +156,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     if len(w) != steps:
         raise ValueError(f"{len(w)} step weights for {steps} steps")
     device = input_ids.device
-    loss_fn = loss_function(fused if device.type == "cuda" or not fused else "compile")
+    loss_fn = loss_function(fused, device.type)
     before, after = _step_parts(head, compile_head)
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
@@ -230,14 +230,17 @@ def _step_parts(head: Eagle3Head, compile_head: bool | str | Callable) -> tuple[
     return per_head[backend]
 
 
-def loss_function(fused: bool | str) -> Callable:
-    """The soft cross-entropy ``ttt_loss`` uses for its ``fused`` setting (see there)."""
+def loss_function(fused: bool | str, device_type: str = "cuda") -> Callable:
+    """The soft cross-entropy ``ttt_loss`` uses for its ``fused`` setting (see there) on tensors of
+    ``device_type``; the Triton kernels serve CUDA tensors only (elsewhere a fused loss is compiled)."""
     from outrider.train import soft_ce
 
     if fused not in (False, True, "triton", "compile"):
         raise ValueError(f"fused must be a bool, 'triton' or 'compile', not {fused!r}")
     if not fused:
         return soft_cross_entropy
+    if device_type != "cuda":
+        return fused_soft_cross_entropy()
     if fused == "triton" or (fused is True and soft_ce.available()):
         if not soft_ce.available():
             raise RuntimeError("the Triton loss needs the triton package (or use the 'compile' loss kernel)")
