@@ -1,0 +1,146 @@
+"""What one engine step costs on the GPU, by how its kernels are built; no weights needed.
+
+    python benchmarks/step_probe.py --out $OUT [--widths 1,2,6] [--k 5] [--modes eager,dynamic,static]
+
+A randomly initialised model of the default model's shape (SmolLM2-135M: 30 layers, hidden 576)
+and a random EAGLE-3 head (draft vocabulary 32000): step costs do not depend on the weights.
+For each mode of building the target's step,
+
+    eager     CUDA graphs of eager kernels;
+    dynamic   graphs of a ``torch.compile``-fused step, compiled as the engine does it (width 1
+              first, later widths recompiled with dynamic shapes: ``dynamic=None``);
+    static    graphs of a step compiled once per shape (``dynamic=False``),
+
+it times the replay of the target's graph per width (200 replays, CUDA events), then runs the
+engine (plain greedy, and EAGLE-3 k chained drafts per round in device rounds and one step per
+host synchronisation) and reports its per-step spans. With random weights drafts are rejected,
+so the engine's figures are costs per round, not speedups. Writes ``$OUT/step-probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from outrider import kv_cache
+from outrider.engine import SpecEngine
+from outrider.fsutil import atomic_write_json
+from outrider.head import Eagle3Config, Eagle3Head
+from outrider.proposers.eagle3 import Eagle3Proposer
+
+REPLAYS = 200
+
+
+def default_shape_model() -> torch.nn.Module:
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      tie_word_embeddings=True, rope_theta=100000.0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval().requires_grad_(False)
+
+
+def random_head(model: torch.nn.Module, draft_vocab: int = 32000) -> Eagle3Head:
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab))
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    head.set_vocab(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    return head.cuda().to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def _set_mode(mode: str) -> None:
+    """Point the engine's shared compiled step at a fresh compilation for this mode."""
+    torch._dynamo.reset()
+    kv_cache._compiled_step.cache_clear()
+    if mode == "static":
+        kv_cache._compiled_step = lambda backend: torch.compile(kv_cache._plain_step, backend=backend, dynamic=False)
+    else:
+        kv_cache._compiled_step = _ORIGINAL
+
+
+_ORIGINAL = kv_cache._compiled_step
+
+
+def _timed(fn, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def target_widths(model, mode: str, widths: list[int], prompt_len: int, aux) -> dict:
+    lm = kv_cache.CachedLM(model, 1, 2048, aux_layer_ids=aux, graphs=True, compile=mode != "eager")
+    ids = torch.randint(100, 40000, (1, prompt_len), device="cuda")
+    lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
+    lm.commit(torch.ones_like(ids, dtype=torch.bool))
+    out = {}
+    for n in widths:
+        t = time.perf_counter()
+        lm.forward(ids[:, :n])  # capture (and compile) this width
+        torch.cuda.synchronize()
+        build_s = time.perf_counter() - t
+        graph = lm._graphs[n][0]
+        out[n] = {"replay_ms": _timed(graph.replay, REPLAYS), "build_s": round(build_s, 1)}
+        print(f"  {mode} width {n}: {out[n]['replay_ms']:.3f} ms (built in {build_s:.1f} s)", flush=True)
+    lm.close()
+    return out
+
+
+def engine_spans(model, head, mode: str, k: int, prompt: list[int], max_new: int) -> dict:
+    compile = mode != "eager"
+    out = {}
+    runs = [("ar", None, 8), ("eagle3-rounds", k, 8), ("eagle3-steps", k, 0)]
+    for name, kk, rounds in runs:
+        prop = Eagle3Proposer(head, model) if kk else None
+        if prop is not None and mode == "static":
+            prop._fused["inductor"] = (torch.compile(head.forward_hidden, dynamic=False),
+                                       torch.compile(prop._draw_greedy, dynamic=False))
+        eng = SpecEngine(model, prop, k=kk or 4, graphs=True, compile=compile, rounds=rounds)
+        t = time.perf_counter()
+        eng.generate([prompt], 2 * (k + 1) * 9)  # capture (and compile) every graph of the run
+        build_s = time.perf_counter() - t
+        rs = [eng.generate([prompt], max_new) for _ in range(3)]
+        steps = sum(r.steps for r in rs)
+        out[name] = {"step_ms": 1e3 * sum(r.decode_s for r in rs) / steps,
+                     "verify_ms": 1e3 * sum(r.verify_s for r in rs) / steps,
+                     "draft_ms": 1e3 * sum(r.propose_s for r in rs) / steps,
+                     "tau": sum(r.tau for r in rs) / len(rs), "build_s": round(build_s, 1)}
+        print(f"  {mode} {name}: " + ", ".join(f"{a} {b:.3f}" for a, b in out[name].items()), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--widths", default="1,2,6")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--modes", default="eager,dynamic,static")
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--max-new", type=int, default=128)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = default_shape_model()
+    head = random_head(model)
+    aux = tuple(head.config.aux_layer_ids)
+    prompt = torch.randint(100, 40000, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for mode in a.modes.split(","):
+        _set_mode(mode)
+        print(f"== {mode}", flush=True)
+        results[mode] = {"target_widths": target_widths(model, mode, [int(w) for w in a.widths.split(",")],
+                                                        a.prompt_len, aux)}
+        results[mode]["engine"] = engine_spans(model, head, mode, a.k, prompt, a.max_new)
+        atomic_write_json(out / "step-probe.json", results)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
