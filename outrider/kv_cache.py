@@ -23,7 +23,8 @@ Contract:
   then captured. Outside a step the host only reserves the slots (two tiny kernels) and copies
   the token ids. ``greedy_run`` chains plain greedy steps on the device (a graph that also takes
   the argmax, feeds it back and commits it), with no host synchronisation between steps.
-  Mixture-of-experts layers are captured with batched experts (``graph_safe_experts``).
+  Captured steps record batched experts for mixture-of-experts layers and ``slot_attention`` for
+  the attention (``graph_kernels``); eager steps (prefill, the CPU) keep the model's own.
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
@@ -40,6 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from outrider.models import AuxCapture
+from outrider.slot_attention import using_slot_attention
 
 
 class SlotLayer(CacheLayerMixin):
@@ -220,6 +222,15 @@ def graph_safe_experts(model: torch.nn.Module):
             model.set_experts_implementation(original)
 
 
+@contextlib.contextmanager
+def graph_kernels(model: torch.nn.Module):
+    """The kernels a captured step of ``model`` records: batched experts (``graph_safe_experts``)
+    and ``slot_attention`` for its few new queries over the whole slot buffer (measured on the H200:
+    a width-6 step of the default model 1.55 ms against 2.3 ms with the model's SDPA)."""
+    with graph_safe_experts(model), using_slot_attention(model):
+        yield
+
+
 def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, pool=None,
                   after_each: Callable[[], Any] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run ``fn`` ``warmups`` times on a side stream (``after_each`` after every run), then
@@ -365,7 +376,7 @@ class CachedLM:
         """Capture a step of this model as a CUDA graph in the cache's pool: (graph, outputs)."""
         if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
             self._mempool = torch.cuda.graph_pool_handle()
-        with graph_safe_experts(self.model):
+        with graph_kernels(self.model):
             return capture_graph(fn, self.device, warmups=3, pool=self._mempool, after_each=after_each)
 
     def _capture(self, ids: torch.Tensor) -> tuple:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from outrider.kv_cache import CachedLM, capture_graph, graph_safe_experts
+from outrider.kv_cache import CachedLM, capture_graph, graph_kernels
 from outrider.proposers.base import Draft, Outcome, Proposer
 from outrider.verify import verify_greedy
 
@@ -105,7 +105,7 @@ class DeviceRounds:
                 dst.copy_(src)
 
         dev = self.target.device
-        with graph_safe_experts(self.target.model):  # the experts the target's own graphs use
+        with graph_kernels(self.target.model):  # the kernels the target's own graphs use
             verify, outputs = capture_graph(self._verify, dev, warmups=3, after_each=restore)
             restore()
             verify.replay()  # the draft's warm-up reads real outputs of a verification
