@@ -6,8 +6,8 @@ On a randomly initialised model of the default model's shape (``step_probe.py``)
 time of the target's CUDA graph at widths 1 and k+1 over 1024 and 2048 cache slots, with the
 model's SDPA (PyTorch's choice, then each backend forced) and with ``outrider.slot_attention``;
 a kernel table of one eager step per width; then (``--compiled``) the same through the engine's
-``torch.compile``-fused step and the engine's per-round spans (AR, EAGLE-3 k chained drafts), with
-the head's attention as SDPA and as slots. Writes ``$OUT/attn-probe.json``.
+``torch.compile``-fused step and the engine's per-round spans (AR, EAGLE-3 k chained drafts) with the
+target's steps captured with each attention. Writes ``$OUT/attn-probe.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from outrider import kv_cache
 from outrider.engine import SpecEngine
 from outrider.fsutil import atomic_write_json
-from outrider.proposers.eagle3 import Eagle3Proposer, HeadCache
+from outrider.proposers.eagle3 import Eagle3Proposer
 from outrider.slot_attention import using_slot_attention
 
 from step_probe import REPLAYS, _timed, default_shape_model, random_head
@@ -81,12 +81,12 @@ def kernel_table(model, n: int, kernel: str) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70)
 
 
-def engine_spans(model, head, k: int, target_kernel: str, head_kernel: str) -> dict:
-    HeadCache.kernel = head_kernel
+def engine_spans(model, head, k: int, target_kernel: str) -> dict:
     prompt = torch.randint(100, 40000, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     out = {}
     for name, prop in [("ar", None), ("eagle3", Eagle3Proposer(head, model))]:
-        eng = SpecEngine(model, prop, k=k, graphs=True, compile=True)
+        eng = SpecEngine(model, prop, k=k, graphs=True, compile=True,
+                         attention="slots" if target_kernel == "slots" else "model")
         with _context(model, target_kernel):
             eng.generate([prompt], 2 * (k + 1) * 9)
         rs = [eng.generate([prompt], 128) for _ in range(3)]
@@ -94,7 +94,7 @@ def engine_spans(model, head, k: int, target_kernel: str, head_kernel: str) -> d
         out[name] = {"step_ms": round(1e3 * sum(r.decode_s for r in rs) / steps, 4),
                      "verify_ms": round(1e3 * sum(r.verify_s for r in rs) / steps, 4),
                      "draft_ms": round(1e3 * sum(r.propose_s for r in rs) / steps, 4)}
-        print(f"  engine target {target_kernel} head {head_kernel} {name}: {out[name]}", flush=True)
+        print(f"  engine target {target_kernel} {name}: {out[name]}", flush=True)
     return out
 
 
@@ -125,10 +125,9 @@ def main() -> None:
         res["compiled_graphs"] = {"slots": replay_times(model, "slots", (1, 2, a.k + 1), (1024, 2048), compile=True)}
         atomic_write_json(out / "attn-probe.json", res)
         res["engine"] = {}
-        for target_kernel, head_kernel in (("slots", "slots"),):
+        for target_kernel in ("slots", "sdpa"):
             torch._dynamo.reset()
-            res["engine"][f"{target_kernel}/{head_kernel}"] = engine_spans(model, head, a.k, target_kernel,
-                                                                          head_kernel)
+            res["engine"][target_kernel] = engine_spans(model, head, a.k, target_kernel)
             atomic_write_json(out / "attn-probe.json", res)
     print(json.dumps(res))
 

@@ -22,6 +22,7 @@ the verification, before the host reads the outcome, so the host's bookkeeping o
 A greedy proposer that drafts with device operations alone (``device_rounds``, EAGLE-3) runs,
 after that first step, whole rounds on the device: verification, acceptance, commit and the next
 draft, ``rounds`` (8) rounds per synchronisation, replayed as two CUDA graphs (``spec_rounds.py``).
+Captured steps attend with ``slot_attention`` (``attention="slots"``) or the model's own (``"model"``).
 
 Not done here: continuous batching (requests join only at prefill), trees, prompt caching
 across calls.
@@ -133,10 +134,13 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False, rounds: int = 8):
+                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False, rounds: int = 8,
+                 attention: str = "slots"):
         # rounds: greedy speculation with a device_rounds proposer runs up to this many rounds per
         # host synchronisation on the device (0: one step per synchronisation, as other proposers)
         require(rounds >= 0, f"rounds must be >= 0, got {rounds}")
+        # attention: "slots" (``slot_attention``) or "model" (the model's own) in captured steps
+        require(attention in ("slots", "model"), f"attention must be 'slots' or 'model', got {attention!r}")
         if proposer is not None:
             require(k >= 1, f"k (draft tokens per step) must be >= 1, got {k}")
         self.target = target
@@ -149,6 +153,7 @@ class SpecEngine:
         self.graphs = graphs and self.device.type == "cuda"
         self.compile = compile
         self.rounds = rounds
+        self.attention = attention
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size
         self._next: Draft | None = None  # a draft already launched for the next step (pipelined proposers)
         self._active: tuple[tuple[bool, ...], torch.Tensor] | None = None  # alive flags -> their device copy
@@ -164,7 +169,7 @@ class SpecEngine:
             if lm is not None:
                 lm.close()
             lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=self.graphs,
-                          compile=self.compile)
+                          compile=self.compile, attention=self.attention)
             self._pool[key] = lm
         lm.reset()
         return lm

@@ -223,11 +223,11 @@ def graph_safe_experts(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def graph_kernels(model: torch.nn.Module):
+def graph_kernels(model: torch.nn.Module, slots: bool = True):
     """The kernels a captured step of ``model`` records: batched experts (``graph_safe_experts``)
-    and ``slot_attention`` for its few new queries over the whole slot buffer (measured on the H200:
-    a width-6 step of the default model 1.55 ms against 2.3 ms with the model's SDPA)."""
-    with graph_safe_experts(model), using_slot_attention(model):
+    and, with ``slots``, ``slot_attention`` for its few new queries over the whole slot buffer
+    (on the H200 a width-6 step of the default model 1.63 ms against 2.31 ms with its SDPA)."""
+    with graph_safe_experts(model), using_slot_attention(model, slots):
         yield
 
 
@@ -301,8 +301,11 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
                  aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False,
-                 compile: bool | str = False):
+                 compile: bool | str = False, attention: str = "slots"):
+        if attention not in ("slots", "model"):
+            raise ValueError(f"attention must be 'slots' or 'model', got {attention!r}")
         self.model = model
+        self.slot_attention = attention == "slots"  # captured steps only (``graph_kernels``)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and self.device.type == "cuda"
@@ -376,7 +379,7 @@ class CachedLM:
         """Capture a step of this model as a CUDA graph in the cache's pool: (graph, outputs)."""
         if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
             self._mempool = torch.cuda.graph_pool_handle()
-        with graph_kernels(self.model):
+        with graph_kernels(self.model, self.slot_attention):
             return capture_graph(fn, self.device, warmups=3, pool=self._mempool, after_each=after_each)
 
     def _capture(self, ids: torch.Tensor) -> tuple:

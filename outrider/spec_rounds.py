@@ -105,7 +105,7 @@ class DeviceRounds:
                 dst.copy_(src)
 
         dev = self.target.device
-        with graph_kernels(self.target.model):  # the kernels the target's own graphs use
+        with graph_kernels(self.target.model, self.target.slot_attention):  # the kernels the target's own graphs use
             verify, outputs = capture_graph(self._verify, dev, warmups=3, after_each=restore)
             restore()
             verify.replay()  # the draft's warm-up reads real outputs of a verification

@@ -71,3 +71,13 @@ def test_the_models_attention_comes_back(tiny_models):
     assert model.config._attn_implementation == before
     with using_slot_attention(model, enabled=False):
         assert model.config._attn_implementation == before
+
+
+def test_unknown_attention_is_refused(tiny_models):
+    from outrider.errors import UserError
+
+    model = tiny_models("llama")
+    with pytest.raises(UserError, match="attention must be"):
+        SpecEngine(model, None, attention="flash")
+    with pytest.raises(ValueError, match="attention must be"):
+        CachedLM(model, 1, 16, attention="flash")
