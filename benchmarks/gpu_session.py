@@ -11,7 +11,7 @@
     python benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/data [--preset full]
         trains an EAGLE-3 head (or takes --head), then benchmarks n-gram and EAGLE-3 for k = 1..7
         against our autoregressive decode in the same run (engines built once per pass and
-        reused across k); ``--ks ""`` trains only.
+        reused across k); ``--ks ""`` trains only; ``--pack-head`` returns the head in parts.
 
 Every stage writes ``$OUT/<phase>.json`` as soon as it ends; a stage that fails is recorded with
 its error and the next one still runs. Prints a table per stage and one JSON line at the end.
@@ -205,6 +205,34 @@ def speed(a) -> None:
                       for k, v in results.items()}, default=str)[:6000])
 
 
+def pack_head(head_dir: str | Path, out: Path, part_bytes: int = 15 << 20) -> dict:
+    """The head as ``out/head.tar.NN`` parts under the device's return limit (16 MiB a file), its
+    floating weights in bf16 (the engine runs a head in the target's dtype). Unpack with
+    ``cat head.tar.* | tar x`` (a folder ``head/``)."""
+    import io
+    import tarfile
+
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(Path(head_dir) / "model.safetensors"))
+    blob = save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()})
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in sorted(Path(head_dir).iterdir()):
+            if f.is_file() and f.name != "model.safetensors":
+                tar.add(f, arcname=f"head/{f.name}")
+        info = tarfile.TarInfo("head/model.safetensors")
+        info.size, info.mtime = len(blob), int(time.time())
+        tar.addfile(info, io.BytesIO(blob))
+    data = buf.getvalue()
+    parts = []
+    for i in range(0, len(data), part_bytes):
+        part = out / f"head.tar.{i // part_bytes:02d}"
+        part.write_bytes(data[i:i + part_bytes])
+        parts.append(part.name)
+    return {"bytes": len(data), "parts": parts}
+
+
 def train_bench(a) -> None:
     from outrider.bench import build_proposer
     from outrider.export import export
@@ -230,6 +258,8 @@ def train_bench(a) -> None:
             return export(head_dir, "vllm", f"{a.work}/head-vllm", target="default").to_dict()
 
         _stage(results, "export", path, run_export)
+        if a.pack_head:
+            _stage(results, "pack_head", path, lambda: pack_head(head_dir, Path(a.out)))
     results["records"] = []
     ks = [int(x) for x in a.ks.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
@@ -280,6 +310,8 @@ def main():
     ap.add_argument("--preset", default="full")
     ap.add_argument("--config", default=None, help="a training config file instead of the preset")
     ap.add_argument("--head", default=None, help="train-bench: bench this head instead of training one")
+    ap.add_argument("--pack-head", action="store_true", help="train-bench: the trained head comes back as "
+                    "$OUT/head.tar.NN (bf16 weights, parts under 16 MiB)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
     ap.add_argument("--passes", default="eager:ngram+eagle3,compiled:eagle3+ngram",
                     help="train-bench: comma-separated PASS:METHOD+METHOD, PASS = eager (graphs of eager kernels) "
