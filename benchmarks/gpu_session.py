@@ -7,7 +7,8 @@
         best (a ``StaticCache`` step under ``torch.compile(mode="reduce-overhead")``) on the same
         prompts; then, optionally, regenerates training data with the target.
     python benchmarks/gpu_session.py data --out $OUT --dataset F [--pack]
-        only the regeneration (``--pack``: the data folder comes back as ``$OUT/data.tgz``).
+        only the regeneration (``--pack``: the data folder comes back as ``$OUT/data.tgz``;
+        ``--merge-base D``: then D and the new data merged into ``--merged``).
     python benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/data [--preset full]
         trains an EAGLE-3 head (or takes --head), then benchmarks n-gram and EAGLE-3 for k = 1..7
         against our autoregressive decode in the same run (engines built once per pass and
@@ -150,9 +151,18 @@ def _regenerate(a, model, eos) -> dict:
 
 
 def data_phase(a) -> None:
+    from outrider.train.data import merge_datasets
+
     model, tok = load_model("default", device="cuda", dtype="bfloat16")
     results: dict = {}
     _stage(results, "data", Path(a.out) / "data.json", lambda: _regenerate(a, model, eos_token_ids(model, tok)))
+    if a.merge_base:
+        def merge():
+            m = merge_datasets([a.merge_base, a.data_out], a.merged)
+            return {"out": a.merged, "counts": m["counts"],
+                    **{f"{s}_tokens": m["splits"][s]["tokens"] for s in ("train", "eval")}}
+
+        _stage(results, "merge", Path(a.out) / "data.json", merge)
 
 
 def speed(a) -> None:
@@ -301,6 +311,8 @@ def main():
     ap.add_argument("--dataset", default=None, help="speed phase: regenerate this conversation file")
     ap.add_argument("--data-out", default="/tmp/run/data")
     ap.add_argument("--pack", action="store_true", help="data: also write the data folder to $OUT/data.tgz")
+    ap.add_argument("--merge-base", default=None, help="data: a dataset to merge the new one after (into --merged)")
+    ap.add_argument("--merged", default="/tmp/run/data-all")
     ap.add_argument("--conversations", type=int, default=8000)
     ap.add_argument("--regen-tokens", type=int, default=256)
     ap.add_argument("--regen-batch", type=int, default=128)

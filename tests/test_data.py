@@ -13,7 +13,7 @@ from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenize
 from outrider import assets
 from outrider.errors import UserError
 from outrider.train.data import (Dropped, build_dataset, cache_path_for, end_token_ids, hf_generate_fn, load_dataset,
-                                 normalise_record, read_manifest, tokenize_conversation)
+                                 merge_datasets, normalise_record, read_manifest, tokenize_conversation)
 
 SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
 
@@ -275,6 +275,41 @@ def test_split_is_a_function_of_the_seed(tmp_path, target):
     c, _ = eval_ids(1, "c")
     assert a == b and a != c and len(a) == len(c) == 10
     assert not set(a) & set(a_train) and len(set(a) | set(a_train)) == 40
+
+
+def test_merge_keeps_each_split_and_drops_conversations_seen_before(tmp_path, target):
+    a = write_jsonl(tmp_path / "a.jsonl", [openai_record(c, t) for c, t in many_conversations(30)])
+    b = write_jsonl(tmp_path / "b.jsonl", [openai_record(c, t) for c, t in many_conversations(30, start=20)])
+    for name, src in (("a", a), ("b", b)):
+        build_dataset(target, src, str(tmp_path / name), eval_fraction=0.2, progress=False)
+    manifest = merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "m", shard_rows=16)
+    parts = {n: {s: load_dataset(tmp_path / n, s) for s in ("train", "eval")} for n in ("a", "b", "m")}
+    a_ids = set(parts["a"]["train"].conv_ids) | set(parts["a"]["eval"].conv_ids)
+    for split in ("train", "eval"):
+        want = list(parts["a"][split].conv_ids) + [c for c in parts["b"][split].conv_ids if c not in a_ids]
+        got = parts["m"][split]
+        assert got.conv_ids == want
+        for i, conv in enumerate(got.conv_ids):  # the tokens travel with their conversation
+            source = parts["a" if conv in a_ids else "b"][split]
+            j = source.conv_ids.index(conv)
+            assert np.array_equal(got.input_ids[i], source.input_ids[j])
+            assert np.array_equal(got.loss_mask[i], source.loss_mask[j])
+    assert manifest["counts"]["dropped"] == {"duplicate": 10} and manifest["counts"]["kept"] == 50
+    assert len(manifest["splits"]["train"]["shards"]) > 1 and read_manifest(tmp_path / "m") == manifest
+
+
+def test_merge_refuses_other_tokenisations_and_a_single_directory(tmp_path, target):
+    src = write_jsonl(tmp_path / "a.jsonl", [openai_record(c, t) for c, t in many_conversations(8)])
+    build_dataset(target, src, str(tmp_path / "a"), eval_fraction=0.0, progress=False)
+    build_dataset(target, src, str(tmp_path / "b"), eval_fraction=0.0, progress=False)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    manifest["tokenizer"]["chat_template_hash"] = "0" * 64
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="chat_template_hash differs"):
+        merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    with pytest.raises(UserError, match="at least two"):
+        merge_datasets([tmp_path / "a"], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 def test_batches_are_padded_deterministic_and_shard_by_rank(tmp_path, target):

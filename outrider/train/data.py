@@ -35,7 +35,8 @@ Contract:
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
   not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
-  shardable by rank.
+  shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split
+  with its own; a conversation id seen before is dropped).
 
 Not done here: packing several conversations into one sequence, tool-call or multimodal turns,
 sampling during regeneration (it is greedy), sanitising control tokens inside message text
@@ -838,6 +839,59 @@ def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:
             into.extend(values[offsets[k]: offsets[k + 1]] for k in range(len(arr)))
         conv_ids.extend(table.column("conv_id").to_pylist())
     return TokenDataset(input_ids, loss_mask, conv_ids, manifest, split)
+
+
+def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_rows: int = 8192) -> dict[str, Any]:
+    """Several token datasets of one tokenizer -> one directory ``out`` (written atomically).
+
+    Each split keeps its examples in the order given; an example whose ``conv_id`` an earlier
+    directory already holds (in either split) is dropped and counted, so that merging a dataset
+    with itself, or two builds of one source, never trains on a conversation twice and never puts
+    one conversation on both sides of the split. Datasets tokenised differently (vocabulary,
+    chat template, pad or end tokens) are refused. Returns the new manifest.
+    """
+    dirs = [Path(d).expanduser() for d in directories]
+    if len(dirs) < 2:
+        raise UserError("give at least two dataset directories to merge")
+    manifests = [read_manifest(d) for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs[1:], manifests[1:]):
+        for key in ("vocab_hash", "chat_template_hash", "pad_token_id", "end_token_ids"):
+            if m["tokenizer"].get(key) != first["tokenizer"].get(key):
+                raise UserError(f"{d} was tokenised differently from {dirs[0]} ({key} differs): "
+                                "build both with the same target")
+    seen: set[str] = set()
+    rows: dict[str, list[tuple[str, list[int], list[int]]]] = {"train": [], "eval": []}
+    duplicates = 0
+    for d, m in zip(dirs, manifests):
+        for split in ("train", "eval"):
+            if split not in m.get("splits", {}):
+                continue
+            ds = load_dataset(d, split)
+            for ids, mask, conv in zip(ds.input_ids, ds.loss_mask, ds.conv_ids):
+                if conv in seen:
+                    duplicates += 1
+                    continue
+                rows[split].append((conv, ids.tolist(), mask.tolist()))
+        seen.update(c for split in ("train", "eval") for c, _, _ in rows[split])
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "target": first.get("target"), "tokenizer": first["tokenizer"],
+        "source": {"merged": [{"directory": str(d), "source": m.get("source"), "regenerate": m.get("regenerate"),
+                               "counts": m.get("counts")} for d, m in zip(dirs, manifests)]},
+        "max_length": max(int(m.get("max_length") or 0) for m in manifests),
+        "regenerate": None,
+        "counts": {"kept": len(rows["train"]) + len(rows["eval"]), "train": len(rows["train"]),
+                   "eval": len(rows["eval"]), "dropped": {"duplicate": duplicates} if duplicates else {}},
+        "columns": first["columns"],
+        "splits": {},
+    }
+    with atomic_dir(Path(out).expanduser()) as tmp:
+        for split in ("train", "eval"):
+            shards = _write_split(tmp, split, rows[split], shard_rows)
+            manifest["splits"][split] = {"examples": len(rows[split]), "tokens": sum(s["tokens"] for s in shards),
+                                         "loss_tokens": sum(s["loss_tokens"] for s in shards), "shards": shards}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 # --------------------------------------------------------------------------------------------
