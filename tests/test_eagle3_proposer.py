@@ -77,3 +77,24 @@ def test_sampling_deterministic(tiny_models):
     a = SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, sampling=s).generate(_prompts(), 16).tokens
     b = SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, sampling=s).generate(_prompts(), 16).tokens
     assert a == b
+
+
+def test_compiled_draft_steps_draft_what_eager_steps_draft(tiny_kind, tiny_models):
+    """The fused draft step (positions, cache slots, mask and layer traced by torch.compile; the
+    aot_eager backend keeps the eager kernels) proposes exactly the eager chain's tokens."""
+    model = tiny_models(tiny_kind)
+    drafts = {}
+    for compile in (False, "aot_eager"):
+        proposer = Eagle3Proposer(_head(model), model)
+        seen = drafts[compile] = []
+        propose = proposer.propose
+
+        def recording(k, propose=propose, seen=seen):
+            draft = propose(k)
+            seen.append(draft.tokens.tolist())
+            return draft
+
+        proposer.propose = recording
+        engine = SpecEngine(model, proposer, k=3, compile=compile, read_len="max", rounds=0)
+        assert engine.generate(_prompts()[:2], MAX_NEW).tokens
+    assert len(drafts[False]) > 5 and drafts["aot_eager"] == drafts[False]

@@ -15,8 +15,8 @@ committed (``lengths``); speculative entries of the chain sit past them and are 
 the real features of the same positions, so a rejection needs no rollback and no host value
 changes from step to step. On CUDA with ``graphs=True`` and greedy drafting, one ``propose``
 (the pending step, k-1 chain steps, k draws) replays as one CUDA graph per (batch, k); when the
-engine compiles its step, the head's layer and the greedy draw are fused by ``torch.compile``
-first.
+engine compiles its step, each draft step (positions, slots, mask and the head's layer) and the
+greedy draw are fused by ``torch.compile`` first.
 
 Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled drafting.
 """
@@ -77,7 +77,7 @@ class Eagle3Proposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
-        self._fused: dict[str, tuple] = {}  # backend -> (compiled layer, compiled greedy draw)
+        self._fused: dict[str, tuple] = {}  # backend -> (compiled step, compiled greedy draw)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
 
     @classmethod
@@ -105,12 +105,12 @@ class Eagle3Proposer(Proposer):
             if self.use_graphs:  # one cache (and its graphs) per batch size
                 self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
-        self._layer, self._greedy_draw = self.head.forward_hidden, self._draw_greedy
-        if ctx.compile:  # the head's layer and the greedy draw fused by torch.compile (then captured in graphs)
+        self._body, self._greedy_draw = self._step_body, self._draw_greedy
+        if ctx.compile:  # a draft step (positions, mask, layer) and the greedy draw fused by torch.compile
             backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
             if backend not in self._fused:  # compiled once per proposer and backend
-                self._fused[backend] = (compiled(self.head.forward_hidden, backend), compiled(self._draw_greedy, backend))
-            self._layer, self._greedy_draw = self._fused[backend]
+                self._fused[backend] = (compiled(self._step_body, backend), compiled(self._draw_greedy, backend))
+            self._body, self._greedy_draw = self._fused[backend]
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)
@@ -147,13 +147,18 @@ class Eagle3Proposer(Proposer):
         speculative chain entry, at the position j - 1 past the committed ones, not committed.
         """
         # tokens: [batch, n] next-token ids; hidden: [batch, n, H]; valid: [batch, n]
-        positions = self.cache.lengths[:, None] + valid.long().cumsum(1) - 1 + max(ahead - 1, 0)  # [batch, n]
-        self.cache.write = torch.where(valid, positions, self.cache.max_len)
-        mask = self.cache.mask(positions, valid)
-        out = self._layer(self.embedding(tokens), hidden, positions.clamp_min(0), mask, self.cache)
+        out = self._body(self.cache, tokens, hidden, valid, max(ahead - 1, 0))
         if ahead == 0:
             self.cache.lengths += valid.sum(1)
         return out
+
+    def _step_body(self, cache: HeadCache, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
+                   offset: int) -> torch.Tensor:
+        """Positions, cache slots, mask and the head's layer of one step (one compiled function)."""
+        positions = cache.lengths[:, None] + valid.long().cumsum(1) - 1 + offset  # [batch, n]
+        cache.write = torch.where(valid, positions, cache.max_len)
+        mask = cache.mask(positions, valid)
+        return self.head.forward_hidden(self.embedding(tokens), hidden, positions.clamp_min(0), mask, cache)
 
     def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int):
         """The pending step then k draws: (tokens [batch, k], q [batch, k, vocab] or None)."""
