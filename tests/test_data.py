@@ -303,6 +303,11 @@ def test_merge_refuses_other_tokenisations_and_a_single_directory(tmp_path, targ
     build_dataset(target, src, str(tmp_path / "a"), eval_fraction=0.0, progress=False)
     build_dataset(target, src, str(tmp_path / "b"), eval_fraction=0.0, progress=False)
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    manifest["tokenizer"].update(pad_token_id=1, end_token_ids=[1, 2])  # another conversion of one model
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
+    merged = merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "ok")
+    assert merged["tokenizer"]["pad_token_id"] == read_manifest(tmp_path / "a")["tokenizer"]["pad_token_id"]
+    assert set(merged["tokenizer"]["end_token_ids"]) >= {1, 2} and merged["counts"]["dropped"] == {"duplicate": 8}
     manifest["tokenizer"]["chat_template_hash"] = "0" * 64
     (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="chat_template_hash differs"):

@@ -847,8 +847,10 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
     Each split keeps its examples in the order given; an example whose ``conv_id`` an earlier
     directory already holds (in either split) is dropped and counted, so that merging a dataset
     with itself, or two builds of one source, never trains on a conversation twice and never puts
-    one conversation on both sides of the split. Datasets tokenised differently (vocabulary,
-    chat template, pad or end tokens) are refused. Returns the new manifest.
+    one conversation on both sides of the split. Datasets of another vocabulary or chat template
+    are refused; pad ids may differ (the first's is kept: padding is never attended nor learned)
+    and the end-of-turn ids are pooled (each dataset's loss masks are already final). Returns the
+    new manifest.
     """
     dirs = [Path(d).expanduser() for d in directories]
     if len(dirs) < 2:
@@ -856,7 +858,7 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
     manifests = [read_manifest(d) for d in dirs]
     first = manifests[0]
     for d, m in zip(dirs[1:], manifests[1:]):
-        for key in ("vocab_hash", "chat_template_hash", "pad_token_id", "end_token_ids"):
+        for key in ("vocab_hash", "chat_template_hash"):  # what token ids and loss masks mean
             if m["tokenizer"].get(key) != first["tokenizer"].get(key):
                 raise UserError(f"{d} was tokenised differently from {dirs[0]} ({key} differs): "
                                 "build both with the same target")
@@ -875,7 +877,9 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
                 rows[split].append((conv, ids.tolist(), mask.tolist()))
         seen.update(c for split in ("train", "eval") for c, _, _ in rows[split])
     manifest: dict[str, Any] = {
-        "format": FORMAT, "version": VERSION, "target": first.get("target"), "tokenizer": first["tokenizer"],
+        "format": FORMAT, "version": VERSION, "target": first.get("target"),
+        "tokenizer": {**first["tokenizer"],  # padding is never attended nor learned: the first's pad id serves
+                      "end_token_ids": sorted({int(t) for m in manifests for t in m["tokenizer"].get("end_token_ids", [])})},
         "source": {"merged": [{"directory": str(d), "source": m.get("source"), "regenerate": m.get("regenerate"),
                                "counts": m.get("counts")} for d, m in zip(dirs, manifests)]},
         "max_length": max(int(m.get("max_length") or 0) for m in manifests),
