@@ -10,7 +10,8 @@ from torch.nn import functional as F
 
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train.capture import TargetCapture
-from outrider.train.ttt import TTTModule, counted_positions, simulated_accept_len, ttt_block_mask, ttt_loss
+from outrider.train.ttt import (TTTModule, counted_positions, simulated_accept_len, ttt_block_mask, ttt_loss,
+                               walked_accept_len)
 from outrider.train.vocab import build_draft_vocab
 from tiny import make_tiny, tiny_config
 
@@ -153,6 +154,35 @@ def test_loss_matches_slow_reference():
     assert given.per_step_correct.tolist() == out.per_step_correct.tolist()
     with pytest.raises(ValueError):
         ttt_loss(head, embed, aux, ids, loss_mask, teacher, real, steps=steps, index=index[:2])
+    # the agreement map holds the same agreements, at counted positions only
+    mapped = ttt_loss(head, embed, aux, ids, loss_mask, teacher, real, steps=steps, agree_map=True)
+    assert out.agree is None and mapped.agree.shape == (steps, *ids.shape)
+    assert mapped.agree.sum((1, 2)).tolist() == out.per_step_correct.tolist()
+    for i, (b, t) in enumerate(index):
+        counted = torch.zeros_like(ids, dtype=torch.bool)
+        counted[b, t] = True
+        assert not (mapped.agree[i] & ~counted).any()
+
+
+def test_walked_acceptance_length_decodes_each_span_round_by_round():
+    ok = torch.zeros(3, 3, 12, dtype=torch.bool)  # [steps, batch, S]
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    # row 0: one span x_4..x_11; rounds start at t = 3 (accepts 2), 6 (0), 7 (3): 8 tokens in 3 rounds
+    mask[0, 4:] = 1
+    ok[0, 0, [3, 7]] = True
+    ok[1, 0, [3, 7]] = True
+    ok[2, 0, 7] = True
+    # row 1: nothing to learn; row 2: spans x_1..x_2 (t = 0 accepts 1) and x_6..x_8 (t = 5: 0, t = 6: 1)
+    mask[2, 1:3] = 1
+    mask[2, 6:9] = 1
+    ok[0, 2, [0, 6]] = True
+    ok[1, 2, 5] = True  # a later step is never reached past a rejected one
+    assert walked_accept_len(ok, mask, k=3) == (8 + 5, 3 + 3)
+    # chains of one draft: row 0 rounds at t = 3 (1), 5 (0), 6 (0), 7 (1), 9 (0); row 2 as before
+    assert walked_accept_len(ok, mask, k=1) == (7 + 5, 5 + 3)
+    real = torch.ones(3, 12, dtype=torch.long)
+    real[0, 8:] = 0  # padding is never decoded: row 0's span ends at x_7, one round covers it
+    assert walked_accept_len(ok, mask, real, k=3) == (3 + 5, 1 + 3)
 
 
 def test_per_step_weighting_and_reductions():

@@ -25,7 +25,8 @@ Contract:
     seed)``, step, best score, config) and ``trainer_state.json`` (its readable summary);
   * ``metrics.jsonl``: one line per logged step (``type: train``: loss, per-step loss and
     accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, MFU on
-    CUDA) and per evaluation (``type: eval``); appended as training goes, cut back to the
+    CUDA) and per evaluation (``type: eval``; on the eval split also ``walk_tau_k``, the split's
+    spans decoded round by round: ``outrider.train.ttt.walked_accept_len``); appended as training goes, cut back to the
     checkpoint's step on resume;
   * ``train_config.json``: the settings, the target, the data and the draft vocabulary.
   Directories are swapped in atomically (``outrider.fsutil.atomic_dir``); a run killed at any
@@ -73,7 +74,7 @@ from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_w
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist, soft_ce
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
-from outrider.train.ttt import counted_positions, ttt_loss
+from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
 
 STATE_FORMAT = "outrider-train-state"
@@ -123,7 +124,8 @@ class TrainReport:
         if self.final_eval:
             acc = ", ".join(f"{a:.2f}" for a in self.final_eval.get("per_step_acc", []))
             lines.append(f"final eval: loss {self.final_eval['loss']:.4f}, accuracy per step [{acc}], "
-                         f"simulated tau@{self.tau_k} {self.final_eval['sim_tau_k']:.3f}")
+                         f"simulated tau@{self.tau_k} {self.final_eval['sim_tau_k']:.3f}"
+                         + (f", walked {self.final_eval['walk_tau_k']:.3f}" if "walk_tau_k" in self.final_eval else ""))
         mfu = f", MFU {100 * self.mfu:.1f}%" if self.mfu is not None else f" ({self.mfu_note})"
         lines.append(f"{self.train_tokens} tokens in {self.train_s:.0f} s of training ({self.wall_s:.0f} s in all): "
                      f"{self.tokens_per_s:.0f} tokens/s including the target's forward{mfu}")
@@ -189,6 +191,7 @@ class _Sums:
         self.correct = torch.zeros(steps, dtype=torch.long)  # [steps] argmax agreements
         self.counted = torch.zeros(steps, dtype=torch.long)  # [steps] loss positions
         self.tokens = 0  # real tokens
+        self.walk = torch.zeros(2, dtype=torch.long)  # [tokens, rounds] of walked decoding (eval only)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # device-side, not yet read
 
     def add(self, out, tokens: int) -> None:
@@ -207,6 +210,7 @@ class _Sums:
         self._read()
         other._read()
         self.ce += other.ce
+        self.walk += other.walk
         self.correct += other.correct
         self.counted += other.counted
         self.tokens += other.tokens
@@ -214,13 +218,14 @@ class _Sums:
     def reduce(self, env: dist.DistEnv) -> None:
         self._read()
         packed = torch.cat([self.ce, self.correct.double(), self.counted.double(),
-                            torch.tensor([float(self.tokens)], dtype=torch.float64)])
+                            torch.tensor([float(self.tokens)], dtype=torch.float64), self.walk.double()])
         dist.all_reduce_sum(packed, env)
         s = self.steps
         self.ce = packed[:s]
         self.correct = packed[s:2 * s].round().long()
         self.counted = packed[2 * s:3 * s].round().long()
         self.tokens = int(packed[3 * s].round())
+        self.walk = packed[3 * s + 1:].round().long()
 
     def metrics(self, weights: Sequence[float], tau_k: int) -> dict[str, Any]:
         self._read()
@@ -233,6 +238,7 @@ class _Sums:
             "per_step_acc": [round(x, 6) for x in acc],
             "sim_tau": round(tau_at(acc, len(acc)), 6),
             "sim_tau_k": round(tau_at(acc, tau_k), 6),
+            **({"walk_tau_k": round(int(self.walk[0]) / int(self.walk[1]), 6)} if int(self.walk[1]) else {}),
             "positions": int(self.counted[0]),
             "tokens": self.tokens,
         }
@@ -778,8 +784,10 @@ class _Trainer:
             captured = self.capture(batch.input_ids, batch.attention_mask)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
-                               batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum")
+                               batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum",
+                               agree_map=True)
             sums.add(out, int(batch.attention_mask.sum()))
+            sums.walk += torch.tensor(walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k))
         sums.reduce(env)
         head.train()
         self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")
@@ -798,7 +806,8 @@ class _Trainer:
         if self.env.is_main:
             self._log(m)
             bar.log(f"step {self.step}: {source} loss {m['loss']:.4f}, acc0 {m['per_step_acc'][0]:.3f}, "
-                    f"simulated tau@{self.config.tau_k} {m['sim_tau_k']:.3f}" + (" (best)" if better else ""))
+                    f"simulated tau@{self.config.tau_k} {m['sim_tau_k']:.3f}"
+                    + (f", walked {m['walk_tau_k']:.3f}" if "walk_tau_k" in m else "") + (" (best)" if better else ""))
 
     # -- files ----------------------------------------------------------------------------------
 

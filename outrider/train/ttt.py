@@ -28,6 +28,10 @@ to learn (``outrider.train.data``).
   the teacher's argmax over the draft vocabulary; ``sim_accept_len = 1 + sum_k prod_{j<=k}
   acc_j``, the expected tokens per target forward of a chain of ``steps`` drafts **including the
   bonus token** (comparable with bench's ``tau``). A step with no counted position has accuracy 0.
+  ``walked_accept_len`` decodes the batch's spans round by round instead, from per-position
+  agreement (``agree_map=True``): the acceptance length the engine gets on the same text (in
+  float32 its first drafts are the step-0 predictions exactly), without the independence and
+  the all-positions averaging of ``sim_accept_len``, which overestimates it.
 
 ``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
 wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
@@ -60,6 +64,7 @@ class TTTOutput:
     n_tokens: int  # positions counted at step 0
     per_step_tokens: torch.Tensor  # [steps] int64 positions counted per step (host)
     per_step_correct: torch.Tensor  # [steps] int64 argmax agreements per step (device)
+    agree: torch.Tensor | None = None  # [steps, batch, S] bool: step i at position t agreed (``agree_map``)
 
 
 class StepKV:
@@ -123,7 +128,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
              weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool | str = False,
              index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-             compile_head: bool | str | Callable = False) -> TTTOutput:
+             compile_head: bool | str | Callable = False, agree_map: bool = False) -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
 
     head:           the EAGLE-3 head being trained
@@ -143,6 +148,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     compile_head:   run the step's parts before and after the attention ``torch.compile``d
                     (True = inductor, or a backend), dynamic in batch and length: one graph each
                     for every step and shape; the attention over the growing keys stays eager
+    agree_map:      also return ``agree`` [steps, batch, S], for ``walked_accept_len``
 
     Metrics come back on the batch's device (no host round trip); ``per_step_tokens`` on the host.
     """
@@ -175,6 +181,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     flat_teacher = teacher.reshape(B * S, -1)  # [B*S, draft_vocab]
     total = hidden.new_zeros(())
     losses, counts, correct = [], [], []
+    flags = torch.zeros(steps, B, S, dtype=torch.bool, device=device) if agree_map else None
     for i in range(steps):
         shift = 1 + i
         token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
@@ -189,6 +196,8 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         losses.append(ce.detach().sum() / max(n, 1))
         counts.append(n)
         correct.append(agree.sum())
+        if agree_map:
+            flags[i, b, t] = agree
 
     per_step_correct = torch.stack(correct)  # [steps] on the device
     acc = torch.stack([c.double() / max(n, 1) for c, n in zip(correct, counts)])  # [steps]
@@ -200,6 +209,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         n_tokens=counts[0],
         per_step_tokens=torch.tensor(counts, dtype=torch.long),
         per_step_correct=per_step_correct,
+        agree=flags if agree_map else None,
     )
 
 
@@ -277,6 +287,48 @@ class TTTModule(torch.nn.Module):
         return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
                         steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction,
                         fused=self.fused, compile_head=self.compile_head)
+
+
+def walked_accept_len(agree: torch.Tensor, loss_mask: torch.Tensor, real: torch.Tensor | None = None,
+                      k: int | None = None) -> tuple[int, int]:
+    """Decode every loss-masked span greedily, as the engine would with chains of ``k`` drafts:
+    ``(tokens, rounds)``, whose ratio is the acceptance length (bonus token included).
+
+    agree: [steps, batch, S] (``ttt_loss(..., agree_map=True)``); loss_mask, real: [batch, S].
+    A span ``x_a..x_{b-1}`` opens with ``x_a`` from the target; a round that has ``x_0..x_{L-1}``
+    drafts with the head at position ``t = L-2``: draft ``j`` is step ``j`` at ``t`` (token inputs
+    teacher-forced, which is what the engine feeds once the drafts before it were accepted), and
+    the round accepts the leading run of agreeing steps, then the target adds one token. Unlike
+    ``simulated_accept_len``, which multiplies accuracies averaged over every position, it counts
+    only the positions where rounds really start (those after a rejected draft are harder) and
+    keeps the steps' dependence on each other.
+    """
+    steps = agree.shape[0]
+    k = steps if k is None else min(k, steps)
+    ok = agree[:k].to("cpu").numpy()  # [k, batch, S]
+    learn = loss_mask.bool() if real is None else loss_mask.bool() & real.bool()
+    learn = learn.to("cpu").numpy()
+    tokens = rounds = 0
+    for row in range(learn.shape[0]):
+        S = learn.shape[1]
+        a = 0
+        while a < S:
+            if not learn[row, a]:
+                a += 1
+                continue
+            b = a
+            while b < S and learn[row, b]:
+                b += 1
+            L = a + 1  # x_a came from the target's own step
+            while L < b:
+                t, n = L - 2, 0
+                while n < k and t >= 0 and ok[n, row, t]:
+                    n += 1
+                tokens += n + 1
+                rounds += 1
+                L += n + 1
+            a = b
+    return tokens, rounds
 
 
 def simulated_accept_len(acc: torch.Tensor) -> torch.Tensor:
