@@ -10,8 +10,9 @@ first draft); on the text prompt + that continuation the trainer's estimates are
 positions) and ``walked`` (``walked_accept_len``: the spans decoded round by round from the
 per-position agreements). In float32 the engine's first drafts are the trainer's step-0
 predictions, so ``walked`` should equal the engine's tau up to the draft vocabulary (the trainer
-scores agreement with the target's argmax over the draft vocabulary only). Prints a table and a
-final JSON line; ``--out`` also writes the JSON.
+scores agreement with the target's argmax over the draft vocabulary only). Also the step-0
+accuracy over every position (what ``sim`` multiplies) against its value at the positions where
+rounds start. Prints a table and a final JSON line; ``--out`` also writes the JSON.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t
     ar, spec = SpecEngine(model, None, eos_ids=eos), SpecEngine(model, proposer, k=a.k, eos_ids=eos)
     ds = load_dataset(a.data, "eval")
-    rows, tot = [], {"engine": [0, 0], "walked": [0, 0], "first": [0, 0]}
+    rows, tot = [], {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "step0": [0, 0], "walk_first": [0, 0]}
     sim_sum = 0.0
     print("| example | new tokens | engine tau | walked tau | sim tau | engine first-draft rate |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -67,7 +68,7 @@ def main() -> None:
         with torch.no_grad():
             out = ttt_loss(head, head.embed, cap.aux.to(head.fc.weight.dtype), seq, loss_mask, cap.teacher,
                            steps=a.k, reduction="sum", agree_map=True)
-        w_tok, w_rounds = walked_accept_len(out.agree, loss_mask, k=a.k)
+        w_tok, w_rounds, w_first = walked_accept_len(out.agree, loss_mask, k=a.k)
         sim = float(simulated_accept_len(out.per_step_acc))
         tot["engine"][0] += sum(r.accepted) + r.row_steps
         tot["engine"][1] += r.row_steps
@@ -75,6 +76,10 @@ def main() -> None:
         tot["walked"][1] += w_rounds
         tot["first"][0] += r.accepted[0]
         tot["first"][1] += r.proposed[0]
+        tot["step0"][0] += int(out.per_step_correct[0])
+        tot["step0"][1] += int(out.per_step_tokens[0])
+        tot["walk_first"][0] += w_first
+        tot["walk_first"][1] += w_rounds
         sim_sum += sim
         row = {"example": i, "new_tokens": len(text), "engine_tau": r.tau, "walked_tau": w_tok / w_rounds,
                "sim_tau": sim, "engine_first_rate": r.accepted[0] / max(r.proposed[0], 1)}
@@ -84,9 +89,13 @@ def main() -> None:
     summary = {"k": a.k, "examples": len(rows), "device": a.device, "dtype": dtype,
                "engine_tau": tot["engine"][0] / tot["engine"][1], "walked_tau": tot["walked"][0] / tot["walked"][1],
                "sim_tau_mean": sim_sum / max(len(rows), 1), "engine_first_rate": tot["first"][0] / tot["first"][1],
+               "step0_acc_all_positions": tot["step0"][0] / tot["step0"][1],
+               "step0_acc_at_round_starts": tot["walk_first"][0] / tot["walk_first"][1],
                "rows": rows}
     print(f"| all | | {summary['engine_tau']:.3f} | {summary['walked_tau']:.3f} | {summary['sim_tau_mean']:.3f} | "
           f"{summary['engine_first_rate']:.3f} |")
+    print(f"step-0 accuracy over every position {summary['step0_acc_all_positions']:.3f}, at the positions where "
+          f"rounds start {summary['step0_acc_at_round_starts']:.3f}")
     if a.out:
         atomic_write_json(a.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))

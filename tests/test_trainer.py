@@ -136,6 +136,9 @@ def test_run_writes_servable_head_state_and_metrics(env, straight):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [4, 8, 12]
+    # evaluations on the eval split also walk it round by round: an acceptance length in [1, 1 + tau_k]
+    assert all(1.0 <= r["walk_tau_k"] <= 1.0 + 5 for r in evals if r["source"] == "eval")
+    assert any(r["source"] == "eval" for r in evals)
     best = max(evals, key=lambda r: r["sim_tau_k"])
     assert report.best_step == best["step"] and report.best_sim_tau == pytest.approx(best["sim_tau_k"])
     assert json.loads((out / "head" / "config.json").read_text())["outrider"]["training"]["step"] == best["step"]

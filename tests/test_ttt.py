@@ -177,12 +177,12 @@ def test_walked_acceptance_length_decodes_each_span_round_by_round():
     mask[2, 6:9] = 1
     ok[0, 2, [0, 6]] = True
     ok[1, 2, 5] = True  # a later step is never reached past a rejected one
-    assert walked_accept_len(ok, mask, k=3) == (8 + 5, 3 + 3)
+    assert walked_accept_len(ok, mask, k=3) == (8 + 5, 3 + 3, 2 + 2)
     # chains of one draft: row 0 rounds at t = 3 (1), 5 (0), 6 (0), 7 (1), 9 (0); row 2 as before
-    assert walked_accept_len(ok, mask, k=1) == (7 + 5, 5 + 3)
+    assert walked_accept_len(ok, mask, k=1) == (7 + 5, 5 + 3, 2 + 2)
     real = torch.ones(3, 12, dtype=torch.long)
     real[0, 8:] = 0  # padding is never decoded: row 0's span ends at x_7, one round covers it
-    assert walked_accept_len(ok, mask, real, k=3) == (3 + 5, 1 + 3)
+    assert walked_accept_len(ok, mask, real, k=3) == (3 + 5, 1 + 3, 1 + 2)
 
 
 def test_per_step_weighting_and_reductions():

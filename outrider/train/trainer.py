@@ -787,7 +787,7 @@ class _Trainer:
                                batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum",
                                agree_map=True)
             sums.add(out, int(batch.attention_mask.sum()))
-            sums.walk += torch.tensor(walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k))
+            sums.walk += torch.tensor(walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k)[:2])
         sums.reduce(env)
         head.train()
         self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")

@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -289,10 +289,16 @@ class TTTModule(torch.nn.Module):
                         fused=self.fused, compile_head=self.compile_head)
 
 
+class Walk(NamedTuple):
+    tokens: int  # tokens gained, a bonus (or corrected) token per round included
+    rounds: int  # rounds (target forwards)
+    first: int  # rounds whose first draft was accepted
+
+
 def walked_accept_len(agree: torch.Tensor, loss_mask: torch.Tensor, real: torch.Tensor | None = None,
-                      k: int | None = None) -> tuple[int, int]:
+                      k: int | None = None) -> Walk:
     """Decode every loss-masked span greedily, as the engine would with chains of ``k`` drafts:
-    ``(tokens, rounds)``, whose ratio is the acceptance length (bonus token included).
+    tokens / rounds is the acceptance length (bonus token included).
 
     agree: [steps, batch, S] (``ttt_loss(..., agree_map=True)``); loss_mask, real: [batch, S].
     A span ``x_a..x_{b-1}`` opens with ``x_a`` from the target; a round that has ``x_0..x_{L-1}``
@@ -308,7 +314,7 @@ def walked_accept_len(agree: torch.Tensor, loss_mask: torch.Tensor, real: torch.
     ok = agree[:k].to("cpu").numpy()  # [k, batch, S]
     learn = loss_mask.bool() if real is None else loss_mask.bool() & real.bool()
     learn = learn.to("cpu").numpy()
-    tokens = rounds = 0
+    tokens = rounds = first = 0
     for row in range(learn.shape[0]):
         S = learn.shape[1]
         a = 0
@@ -326,9 +332,10 @@ def walked_accept_len(agree: torch.Tensor, loss_mask: torch.Tensor, real: torch.
                     n += 1
                 tokens += n + 1
                 rounds += 1
+                first += n > 0
                 L += n + 1
             a = b
-    return tokens, rounds
+    return Walk(tokens, rounds, first)
 
 
 def simulated_accept_len(acc: torch.Tensor) -> torch.Tensor:
