@@ -1,6 +1,6 @@
 """What one engine step costs on the GPU, by how its kernels are built; no weights needed.
 
-    python benchmarks/step_probe.py --out $OUT [--widths 1,2,6] [--k 5] [--modes eager,dynamic,static]
+    python benchmarks/step_probe.py --out $OUT [--widths 1,2,6] [--k 5] [--modes eager,dynamic,unfrozen,static]
 
 A randomly initialised model of the default model's shape (SmolLM2-135M: 30 layers, hidden 576)
 and a random EAGLE-3 head (draft vocabulary 32000): step costs do not depend on the weights.
@@ -8,7 +8,9 @@ For each mode of building the target's step,
 
     eager     CUDA graphs of eager kernels;
     dynamic   graphs of a ``torch.compile``-fused step, compiled as the engine does it (width 1
-              first, later widths recompiled with dynamic shapes: ``dynamic=None``);
+              first, later widths recompiled with dynamic shapes: ``dynamic=None``; weights
+              frozen, projections of one input folded: ``kv_cache.FREEZE_WEIGHTS``);
+    unfrozen  the same without frozen weights;
     static    graphs of a step compiled once per shape (``dynamic=False``),
 
 it times the replay of the target's graph per width (200 replays, CUDA events), then runs the
@@ -56,6 +58,7 @@ def _set_mode(mode: str) -> None:
     """Point the engine's shared compiled step at a fresh compilation for this mode."""
     torch._dynamo.reset()
     kv_cache._compiled_step.cache_clear()
+    kv_cache.FREEZE_WEIGHTS = mode != "unfrozen"
     if mode == "static":
         kv_cache._compiled_step = lambda backend: torch.compile(kv_cache._plain_step, backend=backend, dynamic=False)
     else:
@@ -100,7 +103,7 @@ def engine_spans(model, head, mode: str, k: int, prompt: list[int], max_new: int
     for name, kk, rounds in runs:
         prop = Eagle3Proposer(head, model) if kk else None
         if prop is not None and mode == "static":
-            prop._fused["inductor"] = (torch.compile(head.forward_hidden, dynamic=False),
+            prop._fused["inductor"] = (torch.compile(prop._step_body, dynamic=False),
                                        torch.compile(prop._draw_greedy, dynamic=False))
         eng = SpecEngine(model, prop, k=kk or 4, graphs=True, compile=compile, rounds=rounds)
         t = time.perf_counter()
@@ -121,7 +124,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--widths", default="1,2,6")
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--modes", default="eager,dynamic,static")
+    ap.add_argument("--modes", default="eager,dynamic,unfrozen,static")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-new", type=int, default=128)
     a = ap.parse_args()

@@ -95,6 +95,14 @@ def test_compiled_step_is_shared_between_caches(tiny_models):
     assert decode() == first
 
 
+def test_inductor_step_with_frozen_weights_equals_transformers(tiny_kind, tiny_models, refs):
+    """``compile=True`` fuses the step with inductor, weights frozen (the path CUDA graphs capture on
+    a GPU): query/key/value and gate/up fold into fewer matrix products, the tokens stay the same."""
+    model = tiny_models(tiny_kind)
+    engine = SpecEngine(model, None, compile=True, read_len="max")
+    assert engine.generate(_prompts(), MAX_NEW).tokens == refs(tiny_kind)
+
+
 def test_self_draft_accepts_everything(tiny_models):
     model = tiny_models("llama")
     for k in (1, 4, 6):
