@@ -288,9 +288,10 @@ def compiled(fn: Callable, backend: str) -> Callable:
     For inference only: with inductor and ``FREEZE_WEIGHTS`` the weights are frozen into the
     compiled code, which lets inductor fold the projections that read one input into one matrix
     product (query/key/value, gate/up: 4 instead of 7 per Llama layer; the launches, not the
-    bytes, dominate a small batch's step). The folded weights are copies: those layers' weights
-    take twice their memory while the compiled step lives, and changing the model's weights
-    afterwards does not reach it.
+    bytes, dominate a small batch's step). The folded weights are copies, one set per compiled
+    variant (a handful: widths, batch sizes): fine for the models this engine measures on one GPU,
+    set ``FREEZE_WEIGHTS = False`` for a target whose weights barely fit; changing the model's
+    weights afterwards does not reach the compiled step.
     """
     import torch._dynamo
 
