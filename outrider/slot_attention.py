@@ -2,7 +2,8 @@
 
 Contract: ``slot_attention`` is a ``transformers`` attention function (``AttentionInterface``):
 query ``[B, H, n, d]``, key ``[B, H_kv, S, d]``, value ``[B, H_kv, S, d_v]`` and an additive float
-or boolean mask ``[B, 1, n, S]`` give ``([B, n, H, d_v], None)`` =
+or boolean mask ``[B, 1, n, S]`` (None: causal, the queries being the last n keys) give
+``([B, n, H, d_v], None)`` =
 ``softmax(q k^T * scale + mask) v``. The query heads are grouped by the key/value head they read
 (query head ``h`` reads ``h // g``, as ``repeat_kv`` pairs them), so keys and values are read in
 place, never copied per query head; the softmax runs in float32. Two batched matrix products,
@@ -35,7 +36,10 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     scale = scaling if scaling is not None else d ** -0.5
     q = query.reshape(B, H_kv, g * n, d)  # [B, H_kv, g*n, d]: the g query heads of each key/value head
     scores = torch.matmul(q, key.transpose(-1, -2)).view(B, H_kv, g, n, S) * scale  # [B, H_kv, g, n, S]
-    if attention_mask is not None:
+    if attention_mask is None:  # causal, the n queries being the last n keys
+        mask = torch.ones(n, S, dtype=torch.bool, device=query.device).tril(S - n)  # [n, S]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
         mask = attention_mask[:, :, None, :, -S:]  # [B, 1, 1, n, S]
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)

@@ -51,6 +51,14 @@ def test_boolean_and_additive_masks_equal_sdpa(g):
         out, weights = slot_attention(None, q, k, v, mask)
         assert weights is None and out.shape == (B, n, H_kv * g, 5)
         assert torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
+    # no mask: causal, the queries being the last keys (the n queries over the last n of S keys)
+    causal = torch.ones(n, S, dtype=torch.bool).tril(S - n)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                         attn_mask=causal).transpose(1, 2)
+    assert torch.allclose(slot_attention(None, q, k, v, None)[0], ref, atol=1e-6)
+    square = F.scaled_dot_product_attention(q, k[:, :, :n].repeat_interleave(g, 1), v[:, :, :n].repeat_interleave(g, 1),
+                                            is_causal=True).transpose(1, 2)
+    assert torch.allclose(slot_attention(None, q, k[:, :, :n], v[:, :, :n], None)[0], square, atol=1e-6)
 
 
 def test_engine_greedy_tokens_unchanged(tiny_kind, tiny_models):
