@@ -25,11 +25,16 @@ import contextlib
 import torch
 
 NAME = "outrider_slots"
+UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")  # attention arguments it would ignore
 
 
 def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                    **kwargs) -> tuple[torch.Tensor, None]:
+    unsupported = [k for k in UNSUPPORTED if kwargs.get(k) is not None]
+    if unsupported or dropout:
+        raise ValueError(f"slot_attention does not implement {', '.join(unsupported) or 'dropout'}: "
+                         "use SpecEngine(attention='model') for this model")
     B, H, n, d = query.shape
     H_kv, S = key.shape[1], key.shape[2]
     g = H // H_kv

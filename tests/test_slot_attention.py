@@ -61,6 +61,14 @@ def test_boolean_and_additive_masks_equal_sdpa(g):
     assert torch.allclose(slot_attention(None, q, k[:, :, :n], v[:, :, :n], None)[0], square, atol=1e-6)
 
 
+def test_arguments_it_would_ignore_are_refused():
+    q = k = v = torch.zeros(1, 2, 3, 4)
+    for extra in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"sliding_window": 128}, {"dropout": 0.1}):
+        with pytest.raises(ValueError, match="does not implement"):
+            slot_attention(None, q, k, v, None, **extra)
+    assert slot_attention(None, q, k, v, None, sliding_window=None, softcap=None)[0].shape == (1, 3, 2, 4)
+
+
 def test_engine_greedy_tokens_unchanged(tiny_kind, tiny_models):
     model = tiny_models(tiny_kind)
     prompts = _prompts()
