@@ -295,9 +295,21 @@ def compiled(fn: Callable, backend: str) -> Callable:
     """
     import torch._dynamo
 
+    import torch._inductor.config
+
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = {"freezing": True} if backend == "inductor" and FREEZE_WEIGHTS else None
-    return torch.compile(fn, backend=backend, dynamic=None, fullgraph=False, options=options)
+    step = torch.compile(fn, backend=backend, dynamic=None, fullgraph=False)
+    if backend != "inductor" or not FREEZE_WEIGHTS:
+        return step
+
+    @functools.wraps(fn)
+    def frozen(*args, **kwargs):
+        # the setting must hold while dynamo traces (it decides there how weights enter the graph),
+        # not only while inductor compiles: a torch.compile option would come too late
+        with torch._inductor.config.patch(freezing=True):
+            return step(*args, **kwargs)
+
+    return frozen
 
 
 def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:

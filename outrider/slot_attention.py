@@ -45,7 +45,9 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         mask = torch.ones(n, S, dtype=torch.bool, device=query.device).tril(S - n)  # [n, S]
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
-        mask = attention_mask[:, :, None, :, -S:]  # [B, 1, 1, n, S]
+        if attention_mask.shape[1] != 1:
+            raise ValueError(f"slot_attention takes one mask for all heads, got {tuple(attention_mask.shape)}")
+        mask = attention_mask[:, :, None, :, :S]  # [B, 1, 1, n, S]: the first S columns, as transformers
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:

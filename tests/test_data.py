@@ -277,24 +277,27 @@ def test_split_is_a_function_of_the_seed(tmp_path, target):
     assert not set(a) & set(a_train) and len(set(a) | set(a_train)) == 40
 
 
-def test_merge_keeps_each_split_and_drops_conversations_seen_before(tmp_path, target):
-    a = write_jsonl(tmp_path / "a.jsonl", [openai_record(c, t) for c, t in many_conversations(30)])
-    b = write_jsonl(tmp_path / "b.jsonl", [openai_record(c, t) for c, t in many_conversations(30, start=20)])
+def test_merge_keeps_each_split_and_drops_examples_seen_before(tmp_path, target):
+    first = many_conversations(30)
+    # b repeats a's first ten conversations under other ids, and reuses ids c0..c9 for new ones
+    again = [(f"again{c}", t) for c, t in first[:10]]
+    reused = [(f"c{i}", t) for i, (_, t) in enumerate(many_conversations(10, start=100))]
+    a = write_jsonl(tmp_path / "a.jsonl", [openai_record(c, t) for c, t in first])
+    b = write_jsonl(tmp_path / "b.jsonl", [openai_record(c, t) for c, t in again + reused])
     for name, src in (("a", a), ("b", b)):
         build_dataset(target, src, str(tmp_path / name), eval_fraction=0.2, progress=False)
     manifest = merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "m", shard_rows=16)
     parts = {n: {s: load_dataset(tmp_path / n, s) for s in ("train", "eval")} for n in ("a", "b", "m")}
-    a_ids = set(parts["a"]["train"].conv_ids) | set(parts["a"]["eval"].conv_ids)
     for split in ("train", "eval"):
-        want = list(parts["a"][split].conv_ids) + [c for c in parts["b"][split].conv_ids if c not in a_ids]
+        want = list(parts["a"][split].conv_ids) + [c for c in parts["b"][split].conv_ids if not c.startswith("again")]
         got = parts["m"][split]
         assert got.conv_ids == want
         for i, conv in enumerate(got.conv_ids):  # the tokens travel with their conversation
-            source = parts["a" if conv in a_ids else "b"][split]
+            source = parts["a" if i < len(parts["a"][split]) else "b"][split]
             j = source.conv_ids.index(conv)
             assert np.array_equal(got.input_ids[i], source.input_ids[j])
             assert np.array_equal(got.loss_mask[i], source.loss_mask[j])
-    assert manifest["counts"]["dropped"] == {"duplicate": 10} and manifest["counts"]["kept"] == 50
+    assert manifest["counts"]["dropped"] == {"duplicate": 10} and manifest["counts"]["kept"] == 40
     assert len(manifest["splits"]["train"]["shards"]) > 1 and read_manifest(tmp_path / "m") == manifest
 
 

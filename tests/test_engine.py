@@ -103,6 +103,52 @@ def test_inductor_step_with_frozen_weights_equals_transformers(tiny_kind, tiny_m
     assert engine.generate(_prompts(), MAX_NEW).tokens == refs(tiny_kind)
 
 
+_FOLD_SCRIPT = """
+import json, re, torch, torch._inductor.config
+from torch._inductor.utils import run_and_get_code
+from outrider import kv_cache
+from tiny import make_tiny
+model = make_tiny("llama")
+ids = torch.tensor([[5, 6, 7, 8]])
+out = {}
+for freeze in (False, True):
+    kv_cache.FREEZE_WEIGHTS = freeze
+    torch._dynamo.reset()
+    kv_cache._compiled_step.cache_clear()
+    lm = kv_cache.CachedLM(model, 1, 32, read_len="max", compile="inductor")
+    lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
+    lm.commit(torch.ones_like(ids, dtype=torch.bool))
+    _, code = run_and_get_code(lambda: lm.forward(ids[:, :2]))
+    code = "\\n".join(code)
+    out[str(freeze)] = [len(re.findall(r"extern_kernels\\.mm\\(", code)), "_frozen_param" in code]
+print(json.dumps(out))
+"""
+
+
+def test_frozen_weights_fold_the_projections_of_one_input():
+    """Frozen weights (``kv_cache.FREEZE_WEIGHTS``) really reach inductor: q/k/v and gate/up of each
+    layer fold into one matrix product each (7 -> 4 per layer), seen in the generated code. On the
+    CPU inductor folds only when told to and packs weights for oneDNN unless told not to (both set
+    here; a GPU folds by default); a fresh interpreter, as inductor registers its freezing passes
+    once per process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+    script = "import torch._inductor.config as c; c.cpp.weight_prepack = False; c.cpp.enable_concat_linear = True\n"
+    run = subprocess.run([sys.executable, "-c", script + _FOLD_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    layers = 4  # tiny.make_tiny's default
+    assert got == {"False": [7 * layers + 1, False], "True": [4 * layers + 1, True]}  # + the lm_head
+
+
 def test_self_draft_accepts_everything(tiny_models):
     model = tiny_models("llama")
     for k in (1, 4, 6):

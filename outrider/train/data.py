@@ -36,7 +36,7 @@ Contract:
   not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
   shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split
-  with its own; a conversation id seen before is dropped).
+  with its own; an example whose tokens were seen before is dropped).
 
 Not done here: packing several conversations into one sequence, tool-call or multimodal turns,
 sampling during regeneration (it is greedy), sanitising control tokens inside message text
@@ -844,10 +844,11 @@ def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:
 def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_rows: int = 8192) -> dict[str, Any]:
     """Several token datasets of one tokenizer -> one directory ``out`` (written atomically).
 
-    Each split keeps its examples in the order given; an example whose ``conv_id`` an earlier
-    directory already holds (in either split) is dropped and counted, so that merging a dataset
-    with itself, or two builds of one source, never trains on a conversation twice and never puts
-    one conversation on both sides of the split. Datasets of another vocabulary or chat template
+    Each split keeps its examples in the order given; an example whose tokens an earlier one
+    already has (in either split, any directory) is dropped and counted, so that merging a dataset
+    with itself, or two builds of one source, never trains on an example twice and never puts it on
+    both sides of the split. Conversation ids are not compared: sources without ids number their
+    records, and record 7 of one file is not record 7 of another. Datasets of another vocabulary or chat template
     are refused; pad ids may differ (the first's is kept: padding is never attended nor learned)
     and the end-of-turn ids are pooled (each dataset's loss masks are already final). Returns the
     new manifest.
@@ -862,7 +863,7 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
             if m["tokenizer"].get(key) != first["tokenizer"].get(key):
                 raise UserError(f"{d} was tokenised differently from {dirs[0]} ({key} differs): "
                                 "build both with the same target")
-    seen: set[str] = set()
+    seen: set[bytes] = set()  # digests of the examples' tokens and masks
     rows: dict[str, list[tuple[str, list[int], list[int]]]] = {"train": [], "eval": []}
     duplicates = 0
     for d, m in zip(dirs, manifests):
@@ -871,17 +872,21 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
                 continue
             ds = load_dataset(d, split)
             for ids, mask, conv in zip(ds.input_ids, ds.loss_mask, ds.conv_ids):
-                if conv in seen:
+                digest = hashlib.blake2b(ids.astype(np.int32).tobytes() + mask.astype(np.int8).tobytes(),
+                                         digest_size=16).digest()
+                if digest in seen:
                     duplicates += 1
                     continue
+                seen.add(digest)
                 rows[split].append((conv, ids.tolist(), mask.tolist()))
-        seen.update(c for split in ("train", "eval") for c, _, _ in rows[split])
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "target": first.get("target"),
         "tokenizer": {**first["tokenizer"],  # padding is never attended nor learned: the first's pad id serves
-                      "end_token_ids": sorted({int(t) for m in manifests for t in m["tokenizer"].get("end_token_ids", [])})},
-        "source": {"merged": [{"directory": str(d), "source": m.get("source"), "regenerate": m.get("regenerate"),
-                               "counts": m.get("counts")} for d, m in zip(dirs, manifests)]},
+                      "end_token_ids": sorted({int(t) for m in manifests
+                                               for t in m["tokenizer"].get("end_token_ids", [])})},
+        "source": {"merged": [{"directory": str(d), "target": m.get("target"), "source": m.get("source"),
+                               "regenerate": m.get("regenerate"), "counts": m.get("counts")}
+                              for d, m in zip(dirs, manifests)]},
         "max_length": max(int(m.get("max_length") or 0) for m in manifests),
         "regenerate": None,
         "counts": {"kept": len(rows["train"]) + len(rows["eval"]), "train": len(rows["train"]),

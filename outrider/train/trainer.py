@@ -26,7 +26,8 @@ Contract:
   * ``metrics.jsonl``: one line per logged step (``type: train``: loss, per-step loss and
     accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, MFU on
     CUDA) and per evaluation (``type: eval``; on the eval split also ``walk_tau_k``, the split's
-    spans decoded round by round: ``outrider.train.ttt.walked_accept_len``); appended as training goes, cut back to the
+    spans decoded round by round, ``outrider.train.ttt.walked_accept_len``: the engine's tau on
+    regenerated data, an estimate on other text); appended as training goes, cut back to the
     checkpoint's step on resume;
   * ``train_config.json``: the settings, the target, the data and the draft vocabulary.
   Directories are swapped in atomically (``outrider.fsutil.atomic_dir``); a run killed at any
@@ -787,7 +788,8 @@ class _Trainer:
                                batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum",
                                agree_map=True)
             sums.add(out, int(batch.attention_mask.sum()))
-            sums.walk += torch.tensor(walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k)[:2])
+            walk = walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k)
+            sums.walk += torch.tensor([walk.tokens, walk.rounds])
         sums.reduce(env)
         head.train()
         self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")

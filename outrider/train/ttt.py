@@ -29,9 +29,11 @@ to learn (``outrider.train.data``).
   acc_j``, the expected tokens per target forward of a chain of ``steps`` drafts **including the
   bonus token** (comparable with bench's ``tau``). A step with no counted position has accuracy 0.
   ``walked_accept_len`` decodes the batch's spans round by round instead, from per-position
-  agreement (``agree_map=True``): the acceptance length the engine gets on the same text (in
-  float32 its first drafts are the step-0 predictions exactly), without the independence and
-  the all-positions averaging of ``sim_accept_len``, which overestimates it.
+  agreement (``agree_map=True``), without the independence and the all-positions averaging of
+  ``sim_accept_len``, which overestimates. On text the target itself produced greedily
+  (regenerated data) it is the engine's acceptance length on that text, up to tokens outside the
+  draft vocabulary (agreement is scored over the draft vocabulary only); on other text it is
+  an estimate like the simulated one.
 
 ``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
 wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
@@ -304,7 +306,9 @@ def walked_accept_len(agree: torch.Tensor, loss_mask: torch.Tensor, real: torch.
     A span ``x_a..x_{b-1}`` opens with ``x_a`` from the target; a round that has ``x_0..x_{L-1}``
     drafts with the head at position ``t = L-2``: draft ``j`` is step ``j`` at ``t`` (token inputs
     teacher-forced, which is what the engine feeds once the drafts before it were accepted), and
-    the round accepts the leading run of agreeing steps, then the target adds one token. Unlike
+    the round accepts the leading run of agreeing steps, then the target adds one token (counted
+    even when the span ends there, as the engine's tau counts a round's outcome before stopping
+    at EOS or at the token limit). Unlike
     ``simulated_accept_len``, which multiplies accuracies averaged over every position, it counts
     only the positions where rounds really start (those after a rejected draft are harder) and
     keeps the steps' dependence on each other.
