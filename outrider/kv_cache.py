@@ -294,7 +294,6 @@ def compiled(fn: Callable, backend: str) -> Callable:
     weights afterwards does not reach the compiled step.
     """
     import torch._dynamo
-
     import torch._inductor.config
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

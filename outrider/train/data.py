@@ -688,6 +688,17 @@ def _write_split(directory: Path, split: str, rows: list[tuple[str, list[int], l
     return shards
 
 
+def _write_dataset(out: Path, manifest: dict[str, Any], rows: dict[str, list[tuple[str, list[int], list[int]]]],
+                   shard_rows: int) -> None:
+    """Both splits' shards and ``manifest.json`` (its ``splits`` filled in here) into ``out``, atomically."""
+    with atomic_dir(out) as tmp:
+        for split in ("train", "eval"):
+            shards = _write_split(tmp, split, rows[split], shard_rows)
+            manifest["splits"][split] = {"examples": len(rows[split]), "tokens": sum(s["tokens"] for s in shards),
+                                         "loss_tokens": sum(s["loss_tokens"] for s in shards), "shards": shards}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     d = Path(directory).expanduser()
     path = d / "manifest.json"
@@ -848,10 +859,10 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
     already has (in either split, any directory) is dropped and counted, so that merging a dataset
     with itself, or two builds of one source, never trains on an example twice and never puts it on
     both sides of the split. Conversation ids are not compared: sources without ids number their
-    records, and record 7 of one file is not record 7 of another. Datasets of another vocabulary or chat template
-    are refused; pad ids may differ (the first's is kept: padding is never attended nor learned)
-    and the end-of-turn ids are pooled (each dataset's loss masks are already final). Returns the
-    new manifest.
+    records, and record 7 of one file is not record 7 of another. Datasets of another vocabulary
+    or chat template are refused; pad ids may differ (the first's is kept: padding is never
+    attended nor learned) and the end-of-turn ids are pooled (each dataset's loss masks are
+    already final). Returns the new manifest.
     """
     dirs = [Path(d).expanduser() for d in directories]
     if len(dirs) < 2:
@@ -894,12 +905,7 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
         "columns": first["columns"],
         "splits": {},
     }
-    with atomic_dir(Path(out).expanduser()) as tmp:
-        for split in ("train", "eval"):
-            shards = _write_split(tmp, split, rows[split], shard_rows)
-            manifest["splits"][split] = {"examples": len(rows[split]), "tokens": sum(s["tokens"] for s in shards),
-                                         "loss_tokens": sum(s["loss_tokens"] for s in shards), "shards": shards}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _write_dataset(Path(out).expanduser(), manifest, rows, shard_rows)
     return manifest
 
 
@@ -1093,12 +1099,8 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         "columns": {"input_ids": "list<int32>", "loss_mask": "list<int8>", "conv_id": "string"},
         "splits": {},
     }
-    with atomic_dir(out_path) as tmp:
-        for split, idx in (("train", train_idx), ("eval", eval_idx)):
-            shards = _write_split(tmp, split, [rows[i] for i in idx], shard_rows)
-            manifest["splits"][split] = {"examples": len(idx), "tokens": sum(s["tokens"] for s in shards),
-                                         "loss_tokens": sum(s["loss_tokens"] for s in shards), "shards": shards}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _write_dataset(out_path, manifest, {"train": [rows[i] for i in train_idx], "eval": [rows[i] for i in eval_idx]},
+                   shard_rows)
     splits = manifest["splits"]
     return DataReport(
         out=str(out_path), source=src.name, scanned=src.scanned, heldout_excluded=src.heldout_excluded,

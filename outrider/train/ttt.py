@@ -211,7 +211,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         n_tokens=counts[0],
         per_step_tokens=torch.tensor(counts, dtype=torch.long),
         per_step_correct=per_step_correct,
-        agree=flags if agree_map else None,
+        agree=flags,
     )
 
 
