@@ -247,12 +247,18 @@ class Eagle3Attention(nn.Module):
                     torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), q.dtype)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(q.dtype)
-        if self.num_kv_heads != self.num_heads:  # GQA by expansion: keeps the masked fused kernels usable
-            g = self.num_heads // self.num_kv_heads
-            k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
-            v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and cache is None)  # [B, heads, n, d]
+        g = self.num_heads // self.num_kv_heads
+        if g > 1 and cache is not None:  # drafting: a key/value head's g query heads become its query rows
+            mask = attention_mask[:, :, None].expand(-1, -1, g, -1, -1).flatten(2, 3)  # [B, 1, g * n, S]
+            out = F.scaled_dot_product_attention(
+                q.reshape(B, self.num_kv_heads, g * n, self.head_dim), k, v, attn_mask=mask)  # [B, kv, g * n, d]
+            out = out.view(B, self.num_heads, n, self.head_dim)  # [B, heads, n, d]: no copy of the cache
+        else:
+            if g > 1:  # GQA by expansion: keeps the masked fused kernels usable
+                k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
+                v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and cache is None)  # [B, heads, n, d]
         return out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

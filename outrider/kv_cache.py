@@ -336,16 +336,25 @@ class CachedLM:
         if self.graphs or compile:
             read_len = "max"
         self.cache = SlotCache(model.config.num_hidden_layers, batch_size, max_len, self.device, read_len)
-        self.capture = AuxCapture(model, aux_layer_ids) if aux_layer_ids else None
+        # hooks on only while this cache's steps run: another cache of the same model adds none
+        self.capture = AuxCapture(model, aux_layer_ids, attach=False) if aux_layer_ids else None
         self.aux: torch.Tensor | None = None
         self._cache_kw = cache_kwarg(model)
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
-        self._body = lambda ids: _plain_step(self, ids)
+        step = _plain_step
         if compile:
             step = _compiled_step(compile if isinstance(compile, str) else "inductor")  # a name: another backend
-            self._body = lambda ids: step(self, ids)
+        self._step_fn = step
+
+    def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The plain step over reserved slots, eager or compiled: (logits, aux)."""
+        with self._hooks():
+            return self._step_fn(self, ids)
+
+    def _hooks(self):
+        return self.capture.attached() if self.capture is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         self.cache.reset()
@@ -380,8 +389,9 @@ class CachedLM:
         extra = {self._cache_kw: self.cache}
         if logits_at is not None:
             extra["logits_to_keep"] = logits_at
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0), use_cache=True,
-                         **extra)
+        with self._hooks():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0),
+                             use_cache=True, **extra)
         if self.capture is not None:
             self.aux = self.capture.concat()
         return out.logits  # [batch, n or m, vocab]

@@ -16,6 +16,7 @@ Not done here: quantised (INT4/FP8) loading, tensor parallelism, downloading fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -268,16 +269,35 @@ class AuxCapture:
         model(...)
         aux = cap.concat()  # [batch, seq, len(ids) * hidden], ids in the given order
 
-    The capture stays attached until ``close()``; each forward overwrites the last one.
+    The capture stays attached until ``close()``; each forward overwrites the last one. With
+    ``attach=False`` its hooks are on only inside ``with cap.attached():``, so that several
+    captures of one model (one per cache) neither run each other's hooks nor change what a
+    compiled step of the model guards on.
     """
 
-    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
-        layers = decoder_layers(model)
-        self.layer_ids = check_aux_ids(layer_ids, len(layers))
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int], attach: bool = True):
+        self.layers = decoder_layers(model)
+        self.layer_ids = check_aux_ids(layer_ids, len(self.layers))
         self.states: dict[int, torch.Tensor] = {}
         self._handles = []
+        if attach:
+            self._attach()
+
+    def _attach(self) -> None:
         for j in sorted(set(self.layer_ids)):
-            self._handles.append(layers[j].register_forward_pre_hook(self._hook(j), with_kwargs=True))
+            self._handles.append(self.layers[j].register_forward_pre_hook(self._hook(j), with_kwargs=True))
+
+    @contextlib.contextmanager
+    def attached(self):
+        """The hooks on for the block (already attached: nothing changes)."""
+        if self._handles:
+            yield self
+            return
+        self._attach()
+        try:
+            yield self
+        finally:
+            self.close()
 
     def _hook(self, j: int):
         def hook(module, args, kwargs):

@@ -45,8 +45,10 @@ def test_greedy_equals_transformers(tiny_kind, tiny_models, batch):
     assert got == refs
 
 
-def test_first_draft_equals_full_recomputation(tiny_models):
-    model = tiny_models("deepseek_v3")
+def test_first_draft_equals_full_recomputation(tiny_kind, tiny_models):
+    """The cached chain (Llama: grouped query heads folded into query rows) against the head
+    run over the whole committed sequence without a cache, as in training."""
+    model = tiny_models(tiny_kind)
     head = _head(model)
     proposer = Eagle3Proposer(head, model)
     seen = []
@@ -98,3 +100,28 @@ def test_compiled_draft_steps_draft_what_eager_steps_draft(tiny_kind, tiny_model
         engine = SpecEngine(model, proposer, k=3, compile=compile, read_len="max", rounds=0)
         assert engine.generate(_prompts()[:2], MAX_NEW).tokens
     assert len(drafts[False]) > 5 and drafts["aot_eager"] == drafts[False]
+
+
+def test_compiled_draft_step_compiles_once_per_role(tiny_models):
+    """Prompt, pending and chain steps of any k compile the fused draft step three times at most
+    (the pending width turns dynamic, the chain's stays 1: no int, stride or lazily allocated
+    buffer to guard on), and a second engine's cache of the same target adds no target step
+    compilation (its hidden-state hooks are on only while its own steps run)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from outrider import kv_cache
+
+    def compiled_variants(fn) -> int:
+        return len(_debug_get_cache_entry_list(fn.__code__))
+
+    model = tiny_models("llama")
+    torch._dynamo.reset()
+    proposer = Eagle3Proposer(_head(model), model)
+    for k in (2, 3):
+        engine = SpecEngine(model, proposer, k=k, compile="aot_eager")
+        for p in _prompts()[:2]:
+            assert engine.generate([p], 12).tokens
+    assert 2 <= compiled_variants(Eagle3Proposer._step_body) <= 3
+    targets = compiled_variants(kv_cache._plain_step)
+    SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, compile="aot_eager").generate(_prompts()[:1], 12)
+    assert compiled_variants(kv_cache._plain_step) == targets

@@ -36,23 +36,21 @@ class HeadCache:
     """Keys/values of the head's single layer, ``[batch, kv_heads, max_len + 1, head_dim]``.
 
     Slot ``s`` holds position ``s``; slot ``max_len`` is scratch for padding entries. ``write``
-    sets where the next ``update`` scatters (``[batch, n]`` slots).
+    sets where the next ``update`` scatters (``[batch, n]`` slots). The buffers exist from the
+    start, so a compiled step sees the same tensors (and guards) on every call.
     """
 
-    def __init__(self, batch: int, max_len: int, device: torch.device):
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
         self.max_len = max_len
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
         self.slots = torch.arange(max_len + 1, device=device)  # [max_len + 1]
         self.write: torch.Tensor | None = None
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.keys = torch.zeros(batch, kv_heads, max_len + 1, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [batch, kv_heads, n, head_dim]
-        if self.keys is None:
-            B, h, _, d = k.shape
-            self.keys = k.new_zeros(B, h, self.max_len + 1, d)
-            self.values = v.new_zeros(B, h, self.max_len + 1, d)
         idx = self.write[:, None, :, None].expand_as(k)
         self.keys.scatter_(2, idx, k)
         self.values.scatter_(2, idx, v)
@@ -79,6 +77,7 @@ class Eagle3Proposer(Proposer):
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
         self._fused: dict[str, tuple] = {}  # backend -> (compiled step, compiled greedy draw)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
+        self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
     @classmethod
     def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
@@ -98,13 +97,17 @@ class Eagle3Proposer(Proposer):
         if old is not None and old[0].max_len >= ctx.max_len:
             self.cache, self._graphs = old  # reused with its graphs: stale entries sit past the lengths, masked
             self.cache.lengths.zero_()
-        else:  # graph mode sizes the cache in steps of 512 so that later requests can reuse it
-            size = -(-ctx.max_len // 512) * 512 if self.use_graphs else ctx.max_len
-            self.cache = HeadCache(B, size, self.dev)
+        else:  # sized in steps of 512: graphs and compiled steps are reused by later requests
+            size = -(-ctx.max_len // 512) * 512 if self.use_graphs or ctx.compile else ctx.max_len
+            attn = self.head.midlayer.self_attn
+            self.cache = HeadCache(B, size, attn.num_kv_heads, attn.head_dim, self.head.fc.weight.dtype, self.dev)
             self._graphs: dict[tuple[int, int, int], tuple] = {}
             if self.use_graphs:  # one cache (and its graphs) per batch size
                 self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
+        if self._offsets and self._offsets[0].device != self.dev:
+            self._offsets = []
+        self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
         self._body, self._greedy_draw = self._step_body, self._draw_greedy
         if ctx.compile:  # a draft step (positions, mask, layer) and the greedy draw fused by torch.compile
             backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
@@ -141,28 +144,43 @@ class Eagle3Proposer(Proposer):
         return self.head.map_to_target(d), q
 
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor, ahead: int) -> torch.Tensor:
-        """Feed n positions per row (right-aligned); returns hidden_out [batch, n, H].
+        """Feed n positions per row (right-aligned); returns the last one's hidden_out [batch, 1, H].
 
-        ahead = 0: real pairs, committed (the row's next positions); ahead = j >= 1: the j-th
-        speculative chain entry, at the position j - 1 past the committed ones, not committed.
+        ahead = 0: real pairs, committed (the row's next positions), ``hidden`` the target's aux
+        states [batch, n, n_aux * H] (fused here); ahead = j >= 1: the j-th speculative chain
+        entry, at the position j - 1 past the committed ones, not committed, ``hidden`` the
+        head's own hidden_out [batch, 1, H].
         """
-        # tokens: [batch, n] next-token ids; hidden: [batch, n, H]; valid: [batch, n]
-        out = self._body(self.cache, tokens, hidden, valid, max(ahead - 1, 0))
+        # tokens: [batch, n] next-token ids; valid: [batch, n]
+        out = self._body(self.cache, tokens, hidden, valid, self._offset(max(ahead - 1, 0)), ahead == 0)
         if ahead == 0:
             self.cache.lengths += valid.sum(1)
         return out
 
+    def _offset(self, j: int) -> torch.Tensor:
+        """``j`` as a device tensor [1], one per value: a compiled step sees tensors, not ints."""
+        while len(self._offsets) <= j:
+            self._offsets.append(torch.full((1,), len(self._offsets), dtype=torch.long, device=self.dev))
+        return self._offsets[j]
+
     def _step_body(self, cache: HeadCache, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
-                   offset: int) -> torch.Tensor:
-        """Positions, cache slots, mask and the head's layer of one step (one compiled function)."""
+                   offset: torch.Tensor, fuse: bool) -> torch.Tensor:
+        """Positions, cache slots, mask and the head's layer of one step (one compiled function,
+        one variant each for the pending step and the chain): the keys and values of every
+        position enter the cache, and only the last position is attended from and carried on
+        (the right-aligned newest pair: the only hidden_out the chain reads)."""
+        if fuse:
+            hidden = self.head.fuse(hidden.to(self.head.fc.weight.dtype))  # [batch, n, H]
         positions = cache.lengths[:, None] + valid.long().cumsum(1) - 1 + offset  # [batch, n]
         cache.write = torch.where(valid, positions, cache.max_len)
-        mask = cache.mask(positions, valid)
-        return self.head.forward_hidden(self.embedding(tokens), hidden, positions.clamp_min(0), mask, cache)
+        q, k, v = self.head.before_attention(self.embedding(tokens), hidden, positions.clamp_min(0))
+        mask = cache.mask(positions[:, -1:], valid[:, -1:])  # [batch, 1, 1, max_len + 1]
+        attended = self.head.attend(q[:, :, -1:], k, v, mask, cache)  # [batch, 1, heads * d]
+        return self.head.after_attention(hidden[:, -1:], attended)  # [batch, 1, H]
 
     def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int):
         """The pending step then k draws: (tokens [batch, k], q [batch, k, vocab] or None)."""
-        h = self._step(nxt, self.head.fuse(aux.to(self.head.fc.weight.dtype)), valid, 0)[:, -1:]  # [batch, 1, H]
+        h = self._step(nxt, aux, valid, 0)  # [batch, 1, H]
         B = nxt.shape[0]
         tokens, qs = [], []
         ones = torch.ones(B, 1, dtype=torch.bool, device=nxt.device)
