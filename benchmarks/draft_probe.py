@@ -1,0 +1,84 @@
+"""Where an EAGLE-3 draft chain's time goes on the GPU; no weights needed.
+
+    python benchmarks/draft_probe.py --out $OUT [--k 5] [--modes eager,compiled]
+
+A randomly initialised model of the default model's shape and a random head (``step_probe``).
+For each mode (CUDA graphs of eager kernels; of the ``torch.compile``-fused draft step), the
+engine runs greedy EAGLE-3 device rounds once to capture its two graphs; then the draft graph
+(the pending step over k+1 verified positions, k-1 chain steps, k greedy draws) is replayed
+alone, the head cache's lengths restored after each replay, and timed with CUDA events. A
+profiler table of the draft graph's kernels (20 replays) is written per mode to
+``$OUT/draft-kernels-<mode>.txt``; the timings to ``$OUT/draft-probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from outrider.engine import SpecEngine
+from outrider.fsutil import atomic_write_json
+from outrider.proposers.eagle3 import Eagle3Proposer
+
+from step_probe import _timed, default_shape_model, random_head
+
+REPLAYS = 200
+
+
+def probe(model, head, mode: str, k: int, prompt: list[int], out_dir: Path) -> dict:
+    prop = Eagle3Proposer(head, model)
+    eng = SpecEngine(model, prop, k=k, graphs=True, compile=mode == "compiled", rounds=8)
+    t = time.perf_counter()
+    eng.generate([prompt], 4 * (k + 1) * 9)  # capture (and compile) both graphs of a round
+    build_s = time.perf_counter() - t
+    verify, draft = eng._rounds_pool[(1, k)]._graphs  # kept with the engine once captured
+    lengths = prop.cache.lengths
+    saved = lengths.clone()
+
+    def once():
+        draft.replay()
+        lengths.copy_(saved)
+
+    restore_ms = _timed(lambda: lengths.copy_(saved), REPLAYS)
+    draft_ms = _timed(once, REPLAYS) - restore_ms
+    verify_ms = _timed(verify.replay, 1)  # one replay: the target cache advances with each
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            once()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    (out_dir / f"draft-kernels-{mode}.txt").write_text(table)
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    res = {"draft_ms": draft_ms, "per_draft_token_ms": draft_ms / k, "verify_ms_one_replay": verify_ms,
+           "kernels_per_replay": kernels / 20 - 1, "build_s": round(build_s, 1),
+           "head_cache_len": prop.cache.max_len}
+    print(f"  {mode}: " + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in res.items()),
+          flush=True)
+    print(table[:6000], flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--prompt-len", type=int, default=200)
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = default_shape_model()
+    head = random_head(model)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist()
+    results = {"device": torch.cuda.get_device_name(), "k": args.k}
+    for mode in args.modes.split(","):
+        results[mode] = probe(model, head, mode, args.k, prompt, out_dir)
+        atomic_write_json(out_dir / "draft-probe.json", results)
+
+
+if __name__ == "__main__":
+    main()
