@@ -343,10 +343,9 @@ class CachedLM:
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
-        step = _plain_step
-        if compile:
-            step = _compiled_step(compile if isinstance(compile, str) else "inductor")  # a name: another backend
-        self._step_fn = step
+        # the torch.compile backend of the plain step (a name: that backend), None: eager
+        self.compile_backend = (compile if isinstance(compile, str) else "inductor") if compile else None
+        self._step_fn = _plain_step if self.compile_backend is None else _compiled_step(self.compile_backend)
 
     def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plain step over reserved slots, eager or compiled: (logits, aux)."""

@@ -27,13 +27,47 @@ trees, proposers that need the host (n-gram).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
 
-from outrider.kv_cache import CachedLM, capture_graph, graph_kernels
+from outrider.kv_cache import CachedLM, capture_graph, compiled, graph_kernels
 from outrider.proposers.base import Draft, Outcome, Proposer
 from outrider.verify import verify_greedy
+
+
+def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, ptr: torch.Tensor,
+                  records: torch.Tensor, counter: torch.Tensor, last: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of one round and its commit, in place: (num, n_acc, tokens).
+
+    logits [batch, k+1, vocab] the verification's; draft [batch, k]; active [batch] bool;
+    positions [k+1] = 0..k; slots [k+1] the round's cache slots; valid [batch, max_len], lengths
+    [batch], ptr [1]: the slot cache's state; records [batch, R, 2 + k+1] and counter [1]: the
+    round records; last [batch] the next round's first token. One function so that a compiled
+    target step gets a compiled acceptance too (a dozen small kernels fused into a few).
+    """
+    k = draft.shape[1]
+    zero = torch.zeros_like(lengths)
+    num = torch.where(active, torch.full_like(lengths, k), zero)  # [batch] drafted tokens that count
+    res = verify_greedy(draft, num, logits)
+    n_acc = torch.where(active, res.num_accepted, zero)  # [batch]
+    keep = (positions[None, :] <= n_acc[:, None]) & active[:, None]  # [batch, k+1]
+    valid.index_copy_(1, slots, keep)
+    lengths.add_(keep.sum(dim=1))
+    ptr.add_(k + 1)
+    record = torch.cat([n_acc[:, None], num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
+    records.index_copy_(1, counter, record[:, None])
+    counter.add_(1)
+    last.copy_(res.tokens.gather(1, n_acc[:, None])[:, 0])
+    return num, n_acc, res.tokens
+
+
+@functools.cache
+def _compiled_accept(backend: str) -> Callable:
+    return compiled(_accept_round, backend)
 
 
 class DeviceRounds:
@@ -50,9 +84,9 @@ class DeviceRounds:
         self.records = torch.zeros(batch, max_rounds, k + 3, dtype=torch.long, device=dev)  # [batch, R, 2+k+1]
         self.counter = torch.zeros(1, dtype=torch.long, device=dev)  # next record index
         self._positions = torch.arange(k + 1, device=dev)  # [k+1]
-        self._full = torch.full((batch,), k, dtype=torch.long, device=dev)  # [batch] k drafted per row
-        self._none = torch.zeros(batch, dtype=torch.long, device=dev)  # [batch]
         self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
+        # the acceptance and commit, fused by torch.compile when the target's step is compiled
+        self._accept = _accept_round if target.compile_backend is None else _compiled_accept(target.compile_backend)
 
     def key_matches(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int) -> bool:
         return (self.target is target and self.proposer is proposer and self.anchor is proposer.device_anchor()
@@ -71,18 +105,9 @@ class DeviceRounds:
         torch.add(cache._arange[:k + 1], cache.ptr_dev, out=slots)
         ids = torch.cat([self.last[:, None], self.draft], dim=1)  # [batch, k+1]
         logits, aux = self.target._body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
-        num = torch.where(self.active, self._full, self._none)  # [batch] drafted tokens that count
-        res = verify_greedy(self.draft, num, logits)
-        n_acc = torch.where(self.active, res.num_accepted, self._none)  # [batch]
-        keep = (self._positions[None, :] <= n_acc[:, None]) & self.active[:, None]  # [batch, k+1]
-        cache.valid.index_copy_(1, slots, keep)
-        cache.lengths.add_(keep.sum(dim=1))
-        cache.ptr_dev.add_(k + 1)
-        record = torch.cat([n_acc[:, None], num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
-        self.records.index_copy_(1, self.counter, record[:, None])
-        self.counter.add_(1)
-        self.last.copy_(res.tokens.gather(1, n_acc[:, None])[:, 0])
-        return num, n_acc, res.tokens, aux
+        num, n_acc, tokens = self._accept(logits, self.draft, self.active, self._positions, slots, cache.valid,
+                                          cache.lengths, cache.ptr_dev, self.records, self.counter, self.last)
+        return num, n_acc, tokens, aux
 
     def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> None:
         """Feed the round's outcome to the proposer and draft the next round."""

@@ -15,7 +15,7 @@ import torch
 from outrider.engine import SpecEngine
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.proposers.eagle3 import Eagle3Proposer
-from outrider.spec_rounds import DeviceRounds
+from outrider.spec_rounds import DeviceRounds, _accept_round
 
 from test_eagle3_proposer import _head
 from test_engine import _hf_greedy, _prompts
@@ -112,3 +112,17 @@ def test_eagle3_rounds_equal_transformers(tiny_kind, tiny_models):
     for _ in range(2):
         assert engine.generate(prompts, MAX_NEW).tokens == refs
         assert isinstance(engine._rounds, DeviceRounds)
+
+
+def test_compiled_acceptance_emits_what_the_step_loop_emits(tiny_models):
+    """With the target's step compiled (inductor), the round's acceptance and commit are compiled
+    too; tokens, acceptances and steps stay those of the eager one-step-per-sync loop."""
+    model = tiny_models("llama")
+    prompts = _prompts()
+    refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    engine = SpecEngine(model, Scripted(refs, model.config.vocab_size), k=3, read_len="max", compile="inductor")
+    fused = engine.generate(prompts, MAX_NEW)
+    assert isinstance(engine._rounds, DeviceRounds) and engine._rounds._accept is not _accept_round
+    _, steps = _run(model, prompts, refs, 3, "used")
+    assert fused.tokens == refs == steps.tokens
+    assert fused.accepted == steps.accepted and fused.row_steps == steps.row_steps

@@ -75,7 +75,7 @@ class Eagle3Proposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
-        self._fused: dict[str, tuple] = {}  # backend -> (compiled step, compiled greedy draw)
+        self._fused: dict[str, tuple] = {}  # backend -> compiled (step, greedy draw, alignment)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
@@ -108,12 +108,13 @@ class Eagle3Proposer(Proposer):
         if self._offsets and self._offsets[0].device != self.dev:
             self._offsets = []
         self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
-        self._body, self._greedy_draw = self._step_body, self._draw_greedy
+        self._body, self._greedy_draw, self._align = self._step_body, self._draw_greedy, _right_align
         if ctx.compile:  # a draft step (positions, mask, layer) and the greedy draw fused by torch.compile
             backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
             if backend not in self._fused:  # compiled once per proposer and backend
-                self._fused[backend] = (compiled(self._step_body, backend), compiled(self._draw_greedy, backend))
-            self._body, self._greedy_draw = self._fused[backend]
+                self._fused[backend] = (compiled(self._step_body, backend), compiled(self._draw_greedy, backend),
+                                        compiled(_right_align, backend))
+            self._body, self._greedy_draw, self._align = self._fused[backend]
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)
@@ -171,7 +172,8 @@ class Eagle3Proposer(Proposer):
         (the right-aligned newest pair: the only hidden_out the chain reads)."""
         if fuse:
             hidden = self.head.fuse(hidden.to(self.head.fc.weight.dtype))  # [batch, n, H]
-        positions = cache.lengths[:, None] + valid.long().cumsum(1) - 1 + offset  # [batch, n]
+        before = valid.long().cumsum(1) if valid.shape[1] > 1 else valid.long()  # [batch, n] real pairs up to each
+        positions = cache.lengths[:, None] + before - 1 + offset  # [batch, n]
         cache.write = torch.where(valid, positions, cache.max_len)
         q, k, v = self.head.before_attention(self.embedding(tokens), hidden, positions.clamp_min(0))
         mask = cache.mask(positions[:, -1:], valid[:, -1:])  # [batch, 1, 1, max_len + 1]
@@ -236,12 +238,17 @@ class Eagle3Proposer(Proposer):
         return self.cache
 
     def observe(self, outcome: Outcome) -> None:
-        n_new = outcome.num_accepted + 1  # [batch] committed target positions this step
-        n = outcome.tokens.shape[1]
-        # right-align: row b's pairs are its first n_new[b] verify positions
-        shift = n - n_new
-        idx = (torch.arange(n, device=self.dev)[None, :] - shift[:, None]) % n
-        valid = torch.arange(n, device=self.dev)[None, :] >= shift[:, None]
-        aux = outcome.target_aux
-        self.pending = (aux.gather(1, idx[..., None].expand(-1, -1, aux.shape[-1])),
-                        outcome.tokens.gather(1, idx), valid)
+        self.pending = self._align(outcome.num_accepted, outcome.tokens, outcome.target_aux)
+
+
+def _right_align(n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verification's committed pairs as the head's pending block: row b's first n_acc[b] + 1
+    positions, right-aligned. n_acc [batch]; tokens [batch, n]; aux [batch, n, n_aux * H] ->
+    (aux, tokens, valid [batch, n] bool), the padding on the left."""
+    n = tokens.shape[1]
+    shift = n - (n_acc + 1)  # [batch]
+    ar = torch.arange(n, device=tokens.device)
+    idx = (ar[None, :] - shift[:, None]) % n  # [batch, n]
+    valid = ar[None, :] >= shift[:, None]
+    return aux.gather(1, idx[..., None].expand(-1, -1, aux.shape[-1])), tokens.gather(1, idx), valid
