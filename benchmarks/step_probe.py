@@ -33,7 +33,7 @@ from outrider import kv_cache
 from outrider.engine import SpecEngine
 from outrider.fsutil import atomic_write_json
 from outrider.head import Eagle3Config, Eagle3Head
-from outrider.proposers.eagle3 import Eagle3Proposer
+from outrider.proposers.eagle3 import Eagle3Proposer, _right_align
 
 REPLAYS = 200
 
@@ -103,8 +103,8 @@ def engine_spans(model, head, mode: str, k: int, prompt: list[int], max_new: int
     for name, kk, rounds in runs:
         prop = Eagle3Proposer(head, model) if kk else None
         if prop is not None and mode == "static":
-            prop._fused["inductor"] = (torch.compile(prop._step_body, dynamic=False),
-                                       torch.compile(prop._draw_greedy, dynamic=False))
+            prop._fused["inductor"] = tuple(torch.compile(f, dynamic=False)
+                                            for f in (prop._step_body, prop._draw_greedy, _right_align))
         eng = SpecEngine(model, prop, k=kk or 4, graphs=True, compile=compile, rounds=rounds)
         t = time.perf_counter()
         eng.generate([prompt], 2 * (k + 1) * 9)  # capture (and compile) every graph of the run
