@@ -15,8 +15,9 @@ committed (``lengths``); speculative entries of the chain sit past them and are 
 the real features of the same positions, so a rejection needs no rollback and no host value
 changes from step to step. On CUDA with ``graphs=True`` and greedy drafting, one ``propose``
 (the pending step, k-1 chain steps, k draws) replays as one CUDA graph per (batch, k); when the
-engine compiles its step, each draft step (positions, slots, mask and the head's layer) and the
-greedy draw are fused by ``torch.compile`` first.
+engine compiles its step, ``torch.compile`` fuses the pending step (the alignment of the
+verified pairs, then positions, slots, mask and the head's layer) and each greedy link of the
+chain (a draw and the step that feeds it back) first.
 
 Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled drafting.
 """
@@ -75,7 +76,7 @@ class Eagle3Proposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
-        self._fused: dict[str, tuple] = {}  # backend -> compiled (step, greedy draw, alignment)
+        self._fused: dict[str, tuple] = {}  # backend -> compiled (step, greedy draw, alignment, greedy link)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
@@ -108,13 +109,14 @@ class Eagle3Proposer(Proposer):
         if self._offsets and self._offsets[0].device != self.dev:
             self._offsets = []
         self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
-        self._body, self._greedy_draw, self._align = self._step_body, self._draw_greedy, _right_align
+        self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
+                                                                  self._link_greedy)
         if ctx.compile:  # a draft step (positions, mask, layer) and the greedy draw fused by torch.compile
             backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
             if backend not in self._fused:  # compiled once per proposer and backend
-                self._fused[backend] = (compiled(self._step_body, backend), compiled(self._draw_greedy, backend),
-                                        compiled(_right_align, backend))
-            self._body, self._greedy_draw, self._align = self._fused[backend]
+                self._fused[backend] = tuple(compiled(f, backend) for f in (
+                    self._step_body, self._draw_greedy, _right_align, self._link_greedy))
+            self._body, self._greedy_draw, self._align, self._link = self._fused[backend]
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)
@@ -166,8 +168,8 @@ class Eagle3Proposer(Proposer):
 
     def _step_body(self, cache: HeadCache, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
                    offset: torch.Tensor, fuse: bool) -> torch.Tensor:
-        """Positions, cache slots, mask and the head's layer of one step (one compiled function,
-        one variant each for the pending step and the chain): the keys and values of every
+        """Positions, cache slots, mask and the head's layer of one step (compiled: the pending
+        step alone, a greedy chain step inside ``_link_greedy``): the keys and values of every
         position enter the cache, and only the last position is attended from and carried on
         (the right-aligned newest pair: the only hidden_out the chain reads)."""
         if fuse:
@@ -180,12 +182,25 @@ class Eagle3Proposer(Proposer):
         attended = self.head.attend(q[:, :, -1:], k, v, mask, cache)  # [batch, 1, heads * d]
         return self.head.after_attention(hidden[:, -1:], attended)  # [batch, 1, H]
 
+    def _link_greedy(self, cache: HeadCache, h: torch.Tensor, ones: torch.Tensor, offset: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy link of the chain, one compiled function: the draw from h [batch, 1, H],
+        then the step that feeds it back -> (token [batch], the next h [batch, 1, H])."""
+        tok = self._draw_greedy(h[:, -1])
+        return tok, self._step_body(cache, tok[:, None], h, ones, offset, False)
+
     def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int):
         """The pending step then k draws: (tokens [batch, k], q [batch, k, vocab] or None)."""
         h = self._step(nxt, aux, valid, 0)  # [batch, 1, H]
         B = nxt.shape[0]
         tokens, qs = [], []
         ones = torch.ones(B, 1, dtype=torch.bool, device=nxt.device)
+        if self.ctx.sampling.greedy:
+            for i in range(k - 1):
+                tok, h = self._link(self.cache, h, ones, self._offset(i))
+                tokens.append(tok)
+            tokens.append(self._greedy_draw(h[:, -1]))
+            return torch.stack(tokens, dim=1), None
         for i in range(k):
             tok, q = self._draw(h[:, -1])
             tokens.append(tok)
