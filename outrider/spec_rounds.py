@@ -17,7 +17,8 @@ those the engine's one-step-per-synchronisation loop emits: the same operations 
 On CUDA with ``graphs=True`` a round is captured once as two CUDA graphs, replayed back to back:
 the verification (the target's step, the acceptance, the commit) and the draft (the head's whole
 chain); two rather than one so that each can be timed with events between them. Elsewhere the
-round runs eagerly.
+round runs eagerly. When the target's step is compiled, so is the acceptance with its commit
+(``_accept_round``).
 A row that stops inside a chunk (EOS, length) keeps running to the chunk's end: the caller ignores
 its later records, and its extra cache entries are never read by another row.
 

@@ -106,12 +106,12 @@ class Eagle3Proposer(Proposer):
             if self.use_graphs:  # one cache (and its graphs) per batch size
                 self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
-        if self._offsets and self._offsets[0].device != self.dev:
+        if self._offsets and self._offsets[0].device != self.dev:  # moved: graphs of the old device are not replayed
             self._offsets = []
         self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
         self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
                                                                   self._link_greedy)
-        if ctx.compile:  # a draft step (positions, mask, layer) and the greedy draw fused by torch.compile
+        if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
             backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
             if backend not in self._fused:  # compiled once per proposer and backend
                 self._fused[backend] = tuple(compiled(f, backend) for f in (
