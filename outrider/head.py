@@ -257,8 +257,8 @@ class Eagle3Attention(nn.Module):
             if g > 1:  # GQA by expansion: keeps the masked fused kernels usable
                 k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
                 v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and cache is None)  # [B, heads, n, d]
+            causal = attention_mask is None and cache is None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)  # [B, heads, n, d]
         return out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
