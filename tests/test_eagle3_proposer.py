@@ -103,8 +103,8 @@ def test_compiled_draft_steps_draft_what_eager_steps_draft(tiny_kind, tiny_model
 
 
 def test_compiled_draft_step_compiles_once_per_role(tiny_models):
-    """Prompt and pending steps of any k compile the fused draft step twice, three times at most
-    (the width turns dynamic), the chain's link once (no int, stride or lazily allocated buffer
+    """Pending steps of any k compile the fused draft step twice at most (the width turns dynamic;
+    a prompt's block runs eager), the chain's link once (no int, stride or lazily allocated buffer
     to guard on), and a second engine's cache of the same target adds no target step
     compilation (its hidden-state hooks are on only while its own steps run)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -121,7 +121,7 @@ def test_compiled_draft_step_compiles_once_per_role(tiny_models):
         engine = SpecEngine(model, proposer, k=k, compile="aot_eager")
         for p in _prompts()[:2]:
             assert engine.generate([p], 12).tokens
-    assert 2 <= compiled_variants(Eagle3Proposer._step_body) <= 3  # the prompt's width, then any
+    assert compiled_variants(Eagle3Proposer._step_body) <= 2  # k+1 wide: one k, then any (prompts run eager)
     assert compiled_variants(Eagle3Proposer._link_greedy) == 1
     targets = compiled_variants(kv_cache._plain_step)
     SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, compile="aot_eager").generate(_prompts()[:1], 12)

@@ -128,6 +128,7 @@ class Eagle3Proposer(Proposer):
         # right-align each row so that its newest pair is last
         shift = P - ctx.prompt_lens  # [batch]
         idx = (torch.arange(P, device=self.dev)[None, :] - shift[:, None]) % P
+        self._prompt_pending = True  # the prompt's block: fed once, by the eager step (any width, never graphed)
         self.pending = (ctx.target_aux.gather(1, idx[..., None].expand(-1, -1, ctx.target_aux.shape[-1])),
                         nxt.gather(1, idx), valid.gather(1, idx))
 
@@ -155,7 +156,10 @@ class Eagle3Proposer(Proposer):
         head's own hidden_out [batch, 1, H].
         """
         # tokens: [batch, n] next-token ids; valid: [batch, n]
-        out = self._body(self.cache, tokens, hidden, valid, self._offset(max(ahead - 1, 0)), ahead == 0)
+        body = self._body
+        if ahead == 0 and self._prompt_pending:  # compiling a width used once would cost more than it saves
+            body, self._prompt_pending = self._step_body, False
+        out = body(self.cache, tokens, hidden, valid, self._offset(max(ahead - 1, 0)), ahead == 0)
         if ahead == 0:
             self.cache.lengths += valid.sum(1)
         return out
