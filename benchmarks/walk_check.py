@@ -12,7 +12,9 @@ per-position agreements). In float32 the engine's first drafts are the trainer's
 predictions, so ``walked`` should equal the engine's tau up to the draft vocabulary (the trainer
 scores agreement with the target's argmax over the draft vocabulary only). Also the step-0
 accuracy over every position (what ``sim`` multiplies) against its value at the positions where
-rounds start. Prints a table and a final JSON line; ``--out`` also writes the JSON.
+rounds start, and the share of the continuation's 4-grams seen earlier in the text (repetition,
+which long greedy continuations of a small model fall into and which drafts predict easily).
+Prints a table and a final JSON line; ``--out`` also writes the JSON.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ def main() -> None:
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t
     ar, spec = SpecEngine(model, None, eos_ids=eos), SpecEngine(model, proposer, k=a.k, eos_ids=eos)
     ds = load_dataset(a.data, "eval")
-    rows, tot = [], {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "step0": [0, 0], "walk_first": [0, 0]}
+    rows, tot = [], {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "step0": [0, 0], "walk_first": [0, 0],
+                     "repeat": [0, 0]}
     sim_sum = 0.0
-    print("| example | new tokens | engine tau | walked tau | sim tau | engine first-draft rate |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| example | new tokens | engine tau | walked tau | sim tau | engine first-draft rate | repeated 4-grams |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for i in range(min(a.examples, len(ds))):
         ids, mask = ds[i]
         start = int(mask.nonzero()[0])
@@ -81,24 +84,41 @@ def main() -> None:
         tot["walk_first"][0] += w_first
         tot["walk_first"][1] += w_rounds
         sim_sum += sim
+        rep, grams = repeated_ngrams(prompt, text)
+        tot["repeat"][0] += rep
+        tot["repeat"][1] += grams
         row = {"example": i, "new_tokens": len(text), "engine_tau": r.tau, "walked_tau": w_tok / w_rounds,
-               "sim_tau": sim, "engine_first_rate": r.accepted[0] / max(r.proposed[0], 1)}
+               "sim_tau": sim, "engine_first_rate": r.accepted[0] / max(r.proposed[0], 1),
+               "repeated_4grams": rep / max(grams, 1)}
         rows.append(row)
         print(f"| {i} | {len(text)} | {r.tau:.3f} | {w_tok / w_rounds:.3f} | {sim:.3f} | "
-              f"{row['engine_first_rate']:.3f} |", flush=True)
+              f"{row['engine_first_rate']:.3f} | {row['repeated_4grams']:.2f} |", flush=True)
     summary = {"k": a.k, "examples": len(rows), "device": a.device, "dtype": dtype,
                "engine_tau": tot["engine"][0] / tot["engine"][1], "walked_tau": tot["walked"][0] / tot["walked"][1],
                "sim_tau_mean": sim_sum / max(len(rows), 1), "engine_first_rate": tot["first"][0] / tot["first"][1],
                "step0_acc_all_positions": tot["step0"][0] / tot["step0"][1],
                "step0_acc_at_round_starts": tot["walk_first"][0] / tot["walk_first"][1],
-               "rows": rows}
+               "repeated_4grams": tot["repeat"][0] / max(tot["repeat"][1], 1), "rows": rows}
     print(f"| all | | {summary['engine_tau']:.3f} | {summary['walked_tau']:.3f} | {summary['sim_tau_mean']:.3f} | "
-          f"{summary['engine_first_rate']:.3f} |")
+          f"{summary['engine_first_rate']:.3f} | {summary['repeated_4grams']:.2f} |")
     print(f"step-0 accuracy over every position {summary['step0_acc_all_positions']:.3f}, at the positions where "
           f"rounds start {summary['step0_acc_at_round_starts']:.3f}")
     if a.out:
         atomic_write_json(a.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+
+
+def repeated_ngrams(prompt: list[int], text: list[int], n: int = 4) -> tuple[int, int]:
+    """(repeated, total): the continuation's n-grams, and how many of them occurred earlier in
+    prompt + continuation (a measure of how much of the text repeats itself)."""
+    seq, seen, rep, total = prompt + text, set(), 0, 0
+    for j in range(n, len(seq) + 1):
+        gram = tuple(seq[j - n:j])
+        if j > len(prompt):
+            total += 1
+            rep += gram in seen
+        seen.add(gram)
+    return rep, total
 
 
 if __name__ == "__main__":
