@@ -24,6 +24,7 @@ import json
 
 import torch
 
+from outrider.bench import repeated_ngrams
 from outrider.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
@@ -106,19 +107,6 @@ def main() -> None:
     if a.out:
         atomic_write_json(a.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
-
-
-def repeated_ngrams(prompt: list[int], text: list[int], n: int = 4) -> tuple[int, int]:
-    """(repeated, total): the continuation's n-grams, and how many of them occurred earlier in
-    prompt + continuation (a measure of how much of the text repeats itself)."""
-    seq, seen, rep, total = prompt + text, set(), 0, 0
-    for j in range(n, len(seq) + 1):
-        gram = tuple(seq[j - n:j])
-        if j > len(prompt):
-            total += 1
-            rep += gram in seen
-        seen.add(gram)
-    return rep, total
 
 
 if __name__ == "__main__":

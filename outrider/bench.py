@@ -147,6 +147,20 @@ def _hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int,
     return outs, time.perf_counter() - t0
 
 
+def repeated_ngrams(prompt: Sequence[int], text: Sequence[int], n: int = 4) -> tuple[int, int]:
+    """(repeated, total): the n-grams that end inside ``text``, and how many of them occurred
+    earlier in prompt + text. Long greedy continuations of small models loop, and drafts
+    predict loops easily: a speedup is read next to this share."""
+    seq, seen, rep, total = list(prompt) + list(text), set(), 0, 0
+    for j in range(n, len(seq) + 1):
+        gram = tuple(seq[j - n:j])
+        if j > len(prompt):
+            total += 1
+            rep += gram in seen
+        seen.add(gram)
+    return rep, total
+
+
 def _merge(results: list[GenerationResult]) -> dict[str, Any]:
     steps = sum(r.steps for r in results)
     row_steps = sum(r.row_steps for r in results)
@@ -237,6 +251,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     pair_speedups = [(sum(map(len, so)) / ss) / (sum(map(len, ao)) / as_) for (ao, as_, _), (so, ss, _) in passes]
     pair_decode = [_merge(sr)["decode_tokens_per_s"] / _merge(ar_r)["decode_tokens_per_s"]
                    for (_, _, ar_r), (_, _, sr) in passes]
+    reps = [repeated_ngrams(p, t) for p, t in zip(prompt_ids, ar_out)]
     record: dict[str, Any] = {
         "method": method,
         "k": k if proposer else 0,
@@ -257,6 +272,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "speedup_per_pass": pair_speedups,
         "lossless": (agree == len(ar_out)) if sampling.greedy else None,
         "greedy_agreement": agree / len(ar_out) if sampling.greedy else None,
+        "repeated_4grams": sum(r for r, _ in reps) / max(sum(t for _, t in reps), 1),  # of the AR outputs
         "ar_step_ms": ar_m["step_ms"],
         "verify_step_ms": m["verify_step_ms"],
         "propose_step_ms": m["propose_step_ms"],
@@ -285,14 +301,17 @@ def print_table(records: list[dict[str, Any]], console) -> None:
     from rich.table import Table
 
     table = Table(title="outrider bench")
-    for col in ("method", "k", "tau", "accept/pos", "tok/s", "AR tok/s", "speedup", "lossless"):
+    for col in ("method", "k", "tau", "accept/pos", "tok/s", "AR tok/s", "speedup", "lossless", "repeats"):
         table.add_column(col, justify="right")
     for r in records:
         acc = " ".join(f"{a:.2f}" for a in r["accept_rate_per_pos"]) or "-"
         lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
         table.add_row(r["method"], str(r["k"]), f"{r['tau']:.2f}", acc, f"{r['tokens_per_s']:.1f}",
-                      f"{r['ar_tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x", lossless)
+                      f"{r['ar_tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x", lossless,
+                      f"{r['repeated_4grams']:.0%}" if "repeated_4grams" in r else "-")
     console.print(table)
+    console.print("repeats: the share of the plain greedy outputs' 4-grams seen earlier in the same text "
+                  "(looping text is easy to draft)")
     for r in records:
         if "hf_tokens_per_s" in r:
             console.print(f"transformers generate: {r['hf_tokens_per_s']:.1f} tok/s; "

@@ -30,6 +30,15 @@ def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir,
     assert record["step_ms"] >= record["verify_step_ms"] > 0 and record["draft_step_ms"] >= 0
     assert record["decode_speedup_vs_ar"] > 0 and record["repeats"] == 2 and len(record["speedup_per_pass"]) == 2
     assert record["speedup_vs_ar"] == pytest.approx(sum(record["speedup_per_pass"]) / 2)  # median of two
+    assert 0.0 <= record["repeated_4grams"] <= 1.0
+
+
+def test_repeated_ngrams_counts_the_continuations_repeats():
+    from outrider.bench import repeated_ngrams
+
+    assert repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4, 5]) == (1, 6)  # (1, 2, 3, 4) comes back once
+    assert repeated_ngrams([], [7, 7, 7, 7, 7, 7]) == (2, 3)  # a loop: every 4-gram after the first
+    assert repeated_ngrams([1, 2, 3, 4], []) == (0, 0)
 
 
 @pytest.mark.parametrize("args, message", [
