@@ -281,6 +281,12 @@ def _compiled_step(backend: str):
 FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)
 
 
+def backend_of(compile: bool | str) -> str | None:
+    """The ``torch.compile`` backend a ``compile`` setting names: True = inductor, a name = that
+    backend, False = none (eager)."""
+    return (compile if isinstance(compile, str) else "inductor") if compile else None
+
+
 def compiled(fn: Callable, backend: str) -> Callable:
     """``fn`` compiled by ``torch.compile`` with ``backend``; shapes become dynamic after their
     first change, and the recompilation limit is raised for the widths and batch sizes we use.
@@ -343,8 +349,7 @@ class CachedLM:
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
-        # the torch.compile backend of the plain step (a name: that backend), None: eager
-        self.compile_backend = (compile if isinstance(compile, str) else "inductor") if compile else None
+        self.compile_backend = backend_of(compile)  # of the plain step; None: eager
         self._step_fn = _plain_step if self.compile_backend is None else _compiled_step(self.compile_backend)
 
     def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.kv_cache import capture_graph, compiled
+from outrider.kv_cache import backend_of, capture_graph, compiled
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, probs, sample
 
@@ -112,7 +112,7 @@ class Eagle3Proposer(Proposer):
         self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
                                                                   self._link_greedy)
         if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
-            backend = ctx.compile if isinstance(ctx.compile, str) else "inductor"
+            backend = backend_of(ctx.compile)
             if backend not in self._fused:  # compiled once per proposer and backend
                 self._fused[backend] = tuple(compiled(f, backend) for f in (
                     self._step_body, self._draw_greedy, _right_align, self._link_greedy))
