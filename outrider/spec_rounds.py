@@ -51,10 +51,9 @@ def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tenso
     target step gets a compiled acceptance too (a dozen small kernels fused into a few).
     """
     k = draft.shape[1]
-    zero = torch.zeros_like(lengths)
-    num = torch.where(active, torch.full_like(lengths, k), zero)  # [batch] drafted tokens that count
+    num = torch.where(active, k, 0)  # [batch] long: drafted tokens that count
     res = verify_greedy(draft, num, logits)
-    n_acc = torch.where(active, res.num_accepted, zero)  # [batch]
+    n_acc = torch.where(active, res.num_accepted, 0)  # [batch]
     keep = (positions[None, :] <= n_acc[:, None]) & active[:, None]  # [batch, k+1]
     valid.index_copy_(1, slots, keep)
     lengths.add_(keep.sum(dim=1))
