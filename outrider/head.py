@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from outrider.errors import UserError
 from outrider.models import arch_info
+from outrider.slot_attention import slot_attention
 
 AUX_IDS_SEMANTICS = "id j = hidden state entering target decoder layer j = HF output_hidden_states[j]"
 _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
@@ -237,7 +238,7 @@ class Eagle3Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
                cache: Any | None) -> torch.Tensor:
-        """SDPA of q over k, v (through the cache when given) -> [B, n, heads * d], before ``o_proj``."""
+        """Attention of q over k, v (through the cache when given: ``slot_attention``; else SDPA) -> [B, n, heads * d], before ``o_proj``."""
         B, _, n, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, 0)  # [B, kv, S, d]: everything the cache hands back
@@ -247,18 +248,15 @@ class Eagle3Attention(nn.Module):
                     torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), q.dtype)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(q.dtype)
+        if cache is not None:  # drafting: a few queries over the cache, two matrix products (no flash kernel walking S)
+            out, _ = slot_attention(self, q, k, v, attention_mask)  # [B, n, heads, d]
+            return out.reshape(B, n, self.num_heads * self.head_dim)
         g = self.num_heads // self.num_kv_heads
-        if g > 1 and cache is not None:  # drafting: a key/value head's g query heads become its query rows
-            mask = attention_mask[:, :, None].expand(-1, -1, g, -1, -1).flatten(2, 3)  # [B, 1, g * n, S]
-            out = F.scaled_dot_product_attention(
-                q.reshape(B, self.num_kv_heads, g * n, self.head_dim), k, v, attn_mask=mask)  # [B, kv, g * n, d]
-            out = out.view(B, self.num_heads, n, self.head_dim)  # [B, heads, n, d]: no copy of the cache
-        else:
-            if g > 1:  # GQA by expansion: keeps the masked fused kernels usable
-                k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
-                v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
-            causal = attention_mask is None and cache is None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)  # [B, heads, n, d]
+        if g > 1:  # GQA by expansion: keeps the masked fused kernels usable
+            k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
+            v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                             is_causal=attention_mask is None)  # [B, heads, n, d]
         return out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
