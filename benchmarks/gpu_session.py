@@ -256,7 +256,7 @@ def train_bench(a) -> None:
     if not a.head:
         def run_train():
             rep = train("default", a.data, f"{a.work}/train", preset=a.preset, config=a.config, progress=False,
-                        loaded_target=(model, tok))
+                        init=a.init, loaded_target=(model, tok))
             return rep.to_dict()
 
         _stage(results, "train", path, run_train)
@@ -321,6 +321,7 @@ def main():
     ap.add_argument("--work", default="/tmp/run")
     ap.add_argument("--preset", default="full")
     ap.add_argument("--config", default=None, help="a training config file instead of the preset")
+    ap.add_argument("--init", default=None, help="train-bench: start the training from this head")
     ap.add_argument("--head", default=None, help="train-bench: bench this head instead of training one")
     ap.add_argument("--pack-head", action="store_true", help="train-bench: the trained head comes back as "
                     "$OUT/head.tar.NN (bf16 weights, parts under 16 MiB)")
