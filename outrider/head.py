@@ -47,6 +47,8 @@ from outrider.errors import UserError
 from outrider.models import arch_info
 from outrider.slot_attention import slot_attention
 
+SLOT_QUERIES = 64  # up to this many queries over a cache attend by slot_attention (a draft step)
+
 AUX_IDS_SEMANTICS = "id j = hidden state entering target decoder layer j = HF output_hidden_states[j]"
 _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 
@@ -238,7 +240,8 @@ class Eagle3Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
                cache: Any | None) -> torch.Tensor:
-        """Attention of q over k, v (through the cache when given: ``slot_attention``; else SDPA) -> [B, n, heads * d], before ``o_proj``."""
+        """Attention of q over k, v (through the cache when given; ``slot_attention`` for a few queries
+        over a cache, SDPA otherwise: prompts, training) -> [B, n, heads * d], before ``o_proj``."""
         B, _, n, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, 0)  # [B, kv, S, d]: everything the cache hands back
@@ -248,7 +251,7 @@ class Eagle3Attention(nn.Module):
                     torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), q.dtype)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(q.dtype)
-        if cache is not None:  # drafting: a few queries over the cache, two matrix products (no flash kernel walking S)
+        if cache is not None and n <= SLOT_QUERIES:  # drafting: two matrix products, no flash kernel walking S
             out, _ = slot_attention(self, q, k, v, attention_mask)  # [B, n, heads, d]
             return out.reshape(B, n, self.num_heads * self.head_dim)
         g = self.num_heads // self.num_kv_heads
