@@ -12,7 +12,9 @@ Contract:
   ``--config`` file must not be silently ignored). ``replace(**changes)`` returns a validated copy.
 - Batch geometry: ``batch_size`` is per process and per micro-batch; one optimizer step sees
   ``batch_size * world_size * grad_accum`` sequences (the global batch), whatever the number
-  of processes.
+  of processes. With ``batch_tokens > 0`` a micro-batch is a budget of padded tokens per
+  process instead (as many sequences as fit, counts rounded to few distinct shapes:
+  ``TokenDataset.global_batches``); ``batch_size`` then only sets the evaluation batches.
 
 Not done here: reading command-line flags (``outrider.cli``), choosing a preset from the hardware
 (the trainer does), settings of stages other than training.
@@ -63,6 +65,7 @@ class TrainConfig:
     compile_head: bool = False  # on CUDA, the head's step around its attention runs torch.compile'd (ignored on CPU)
     time_budget_s: float = 0.0  # > 0: stop (final eval, checkpoint) after this much training; lr anneals by it
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
+    batch_tokens: int = 0  # > 0: a micro-batch is this many padded tokens per process, not batch_size sequences
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -102,6 +105,8 @@ class TrainConfig:
         if isinstance(self.group_by_length, bool) or not isinstance(self.group_by_length, int) \
                 or self.group_by_length < 0:
             raise UserError(f"training setting 'group_by_length' must be an integer >= 0, got {self.group_by_length!r}")
+        if isinstance(self.batch_tokens, bool) or not isinstance(self.batch_tokens, int) or self.batch_tokens < 0:
+            raise UserError(f"training setting 'batch_tokens' must be an integer >= 0, got {self.batch_tokens!r}")
         if self.loss_kernel not in ("triton", "compile"):
             raise UserError(f"training setting 'loss_kernel' must be 'triton' or 'compile', got {self.loss_kernel!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
@@ -170,17 +175,18 @@ PRESETS: dict[str, TrainConfig] = {
         steps=160, batch_size=2, grad_accum=1, max_length=384, lr=2e-3, min_lr_ratio=0.1, warmup_steps=8,
         grad_clip=0.5, ttt_steps=3, draft_vocab_size=4096, eval_every=80, eval_examples=16, save_every=80,
     ),
-    # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): 64 sequences of
-    # <= 1024 tokens per step, drawn by length (a 135M target leaves the GPU launch-bound at smaller
-    # batches: 32 short sequences ran at 3 % MFU), and a stop at 8 minutes of training, which also
-    # sets the cosine's pace, so that the preset fits a 10-minute budget whatever the machine
-    # (steady steps of ~19.5k tokens took ~103 ms on an H200: ~4000 steps fit; the step horizon is
-    # an upper bound). The loss runs in the Triton kernels and the head's step compiled: on an H200
-    # 164k tokens/s with the head eager, 189k compiled (MFU 17.3 % -> 20.8 %), for ~55 s of compilation
-    # in the first step. (Starting lm_head from the target's did worse early on in a CPU trial.)
+    # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): batches of 48k
+    # padded tokens (sequences of <= 1024 tokens drawn by length; ~150 of a typical ~300 tokens). A
+    # step of a 135M target costs ~90 ms whatever its size (the host launching the target's and the
+    # head's kernels: steps of 5k and 10k tokens took 89 and 92 ms, of 20k 111 ms, in the seventh
+    # session's run of 64 sequences per step, whose steps of <15k tokens ran at 3-13 % MFU), so
+    # fewer, larger steps; a stop at 8 minutes of training, which also sets the cosine's pace, so
+    # that the preset fits a 10-minute budget whatever the machine (the step horizon is an upper
+    # bound). The loss runs in the Triton kernels and the head's step compiled (~55 s of compilation
+    # in the first steps). (Starting lm_head from the target's did worse early on in a CPU trial.)
     "full": TrainConfig(
         steps=6000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=500, eval_examples=256, save_every=500,
-        time_budget_s=480.0, compile_head=True,
+        time_budget_s=480.0, compile_head=True, batch_tokens=49152,
     ),
 }

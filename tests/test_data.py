@@ -12,8 +12,8 @@ from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenize
 
 from outrider import assets
 from outrider.errors import UserError
-from outrider.train.data import (Dropped, build_dataset, cache_path_for, end_token_ids, hf_generate_fn, load_dataset,
-                                 merge_datasets, normalise_record, read_manifest, tokenize_conversation)
+from outrider.train.data import (Dropped, TokenDataset, build_dataset, cache_path_for, end_token_ids, hf_generate_fn,
+                                 load_dataset, merge_datasets, normalise_record, read_manifest, tokenize_conversation)
 
 SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
 
@@ -536,3 +536,39 @@ def test_sharegpt_with_the_real_smollm2_tokenizer(tmp_path):
                     assert text == replies[k]
             checked += 1
     assert checked == report.kept
+
+
+def test_token_budget_batches_fill_the_budget_with_few_shapes():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(20, 400, 900), rng.integers(900, 1400, 60)])  # some over the cap
+    ids = [np.arange(n, dtype=np.int32) for n in lengths]
+    ds = TokenDataset(ids, [np.ones(n, dtype=np.int8) for n in lengths], [str(i) for i in range(len(ids))], {})
+    cap, budget, multiple = 1024, 8192, 64
+
+    def padded(b):
+        return len(b) * int(-(-np.minimum(lengths[b], cap).max() // multiple) * multiple)
+
+    for world in (1, 2):
+        plan = ds.global_batches(1, seed=4, epoch=1, group_by_length=8, tokens=budget * world, cap=cap,
+                                 multiple=multiple, world_size=world)
+        flat = np.concatenate(plan)
+        assert sorted(flat.tolist()) == list(range(len(ds)))  # every example once (none dropped here)
+        assert all(padded(b) <= budget * world for b in plan)
+        assert all(len(b) % world == 0 for b in plan[:-1])
+        counts = [len(b) for b in plan]
+        assert all(n % (8 * world) == 0 for n in counts if n >= 8 * world)  # few distinct shapes
+        full = sum(padded(b) for b in plan) / (budget * world * len(plan))
+        assert full > 0.8, full  # length-sorted windows fill the budget
+        assert [b.tolist() for b in plan] == [b.tolist() for b in ds.global_batches(
+            1, seed=4, epoch=1, group_by_length=8, tokens=budget * world, cap=cap, multiple=multiple,
+            world_size=world)]
+    by_count = ds.global_batches(16, seed=4, epoch=1, group_by_length=8)
+    by_tokens = ds.global_batches(16, seed=4, epoch=1, group_by_length=8, tokens=budget, cap=cap, multiple=multiple)
+    assert len(by_tokens) < len(by_count) and max(map(len, by_tokens)) > 16  # short sequences: more per batch
+    ranks = [list(ds.batches(1, seed=4, rank=r, world_size=2, group_by_length=8, batch_tokens=budget, cap=cap,
+                             pad_to_multiple_of=multiple)) for r in range(2)]
+    single = ds.global_batches(2, seed=4, group_by_length=8, tokens=2 * budget, cap=cap, multiple=multiple,
+                               world_size=2)
+    assert len(ranks[0]) == len(ranks[1]) == len(single)
+    for step, b in enumerate(single):
+        assert sorted(ranks[0][step].indices.tolist() + ranks[1][step].indices.tolist()) == sorted(b.tolist())

@@ -173,6 +173,21 @@ def test_stop_then_resume_is_bit_identical(env, straight):
     assert sa["position"] == sb["position"] and sa["scheduler"] == sb["scheduler"]
 
 
+def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
+    cfg = CFG.replace(batch_tokens=120, steps=10, eval_every=5, save_every=5)  # ~3 sequences of <= 48 tokens
+    ref = train(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False)
+    assert ref.steps == 10 and ref.global_batch == 0 and ref.global_batch_tokens == 240
+    assert "240 padded tokens" in ref.summary()
+    first = train(env["target"], env["data"], str(tmp_path / "b"), config=cfg, max_steps=4, progress=False)
+    second = train(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False)
+    assert first.steps == 4 and second.steps == 10
+    records = [_train_records(tmp_path / d) for d in ("a", "b")]
+    assert [r["loss"] for r in records[0]] == [r["loss"] for r in records[1]]
+    assert max(r["epoch"] for r in records[0]) >= 1  # crossed an epoch: its length is recomputed
+    a, b = _tensors(tmp_path / "a" / "last" / "head"), _tensors(tmp_path / "b" / "last" / "head")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
     ref, _ = straight
     out = tmp_path / "killed"

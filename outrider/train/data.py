@@ -788,29 +788,43 @@ class TokenDataset:
 
     def batches(self, batch_size: int, seed: int = 0, epoch: int = 0, start: int = 0, rank: int = 0,
                 world_size: int = 1, drop_last: bool = True, pad_to_multiple_of: int = 1,
-                group_by_length: int = 0) -> Iterator[Batch]:
+                group_by_length: int = 0, batch_tokens: int = 0, cap: int = 0) -> Iterator[Batch]:
         """Batches of one epoch, from batch number ``start`` (to resume mid-epoch).
 
         Step ``s`` takes global batch ``s`` of ``global_batches`` (``G = batch_size * world_size``
-        examples each); rank ``r`` gets its elements ``r, r + world_size, ...``. The union over ranks
-        is the batch a single process with ``batch_size = G`` sees. With ``drop_last=False`` the
-        final global batch may be short, and a rank's share of it may be empty.
+        examples each, or a budget of ``batch_tokens * world_size`` padded tokens); rank ``r`` gets
+        its elements ``r, r + world_size, ...``. The union over ranks is the batch a single process
+        with ``batch_size = G`` sees. With ``drop_last=False`` the final global batch may be short,
+        and a rank's share of it may be empty.
         """
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batching: batch_size={batch_size} rank={rank} world_size={world_size}")
-        plan = self.global_batches(batch_size * world_size, seed, epoch, drop_last, group_by_length)
+        plan = self.global_batches(batch_size * world_size, seed, epoch, drop_last, group_by_length,
+                                   batch_tokens * world_size, cap, pad_to_multiple_of, world_size)
         for s in range(start, len(plan)):
             yield self.collate(plan[s][rank::world_size], pad_to_multiple_of)
 
     def global_batches(self, g: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
-                       group_by_length: int = 0) -> list[np.ndarray]:
-        """The example indices of every global batch of ``g`` examples in one epoch.
+                       group_by_length: int = 0, tokens: int = 0, cap: int = 0, multiple: int = 1,
+                       world_size: int = 1) -> list[np.ndarray]:
+        """The example indices of every global batch of one epoch; a function of (seed, epoch).
 
-        Batch ``s`` is ``order[s*g:(s+1)*g]``. With ``group_by_length = m > 1`` each window of ``m``
-        consecutive batches is sorted by length before it is cut (similar lengths share a batch:
-        little padding), and the batches are then shuffled again; a function of (seed, epoch).
+        By count (``tokens = 0``): batch ``s`` is ``order[s*g:(s+1)*g]``. With ``group_by_length =
+        m > 1`` each window of ``m`` consecutive batches is sorted by length before it is cut
+        (similar lengths share a batch: little padding), and the batches are then shuffled again.
+
+        By tokens (``tokens > 0``): each batch takes the next examples while their padded size
+        (count x the widest, lengths cut at ``cap`` and padded to a ``multiple``) stays within
+        ``tokens``; the count is then rounded down to a multiple of ``8 * world_size`` (or of
+        ``world_size``), so that few distinct batch shapes occur (attention kernels plan per shape).
+        An example wider than the budget forms a batch of ``world_size``; the last batch may be
+        short (``drop_last`` drops it only below ``world_size``). Windows of ``m *
+        tokens`` padded tokens are sorted by length, and the batches shuffled, as above.
         """
         order = self.order(seed, epoch)
+        if tokens > 0:
+            return self._token_batches(order, tokens, group_by_length, cap, multiple, world_size, drop_last,
+                                       np.random.default_rng([int(seed), int(epoch), 1]))
         full = len(self) // g * g
         if group_by_length > 1:
             lengths = self.lengths
@@ -821,6 +835,29 @@ class TokenDataset:
             plan = [plan[i] for i in np.random.default_rng([int(seed), int(epoch), 1]).permutation(len(plan))]
         if not drop_last and full < len(self):
             plan.append(order[full:])
+        return plan
+
+    def _token_batches(self, order: np.ndarray, tokens: int, group_by_length: int, cap: int, multiple: int,
+                       world_size: int, drop_last: bool, rng: np.random.Generator) -> list[np.ndarray]:
+        lengths = np.minimum(self.lengths, cap) if cap > 0 else self.lengths
+        width = -(-lengths // multiple) * multiple  # [N] padded width of each example alone
+        if group_by_length > 1:
+            window = (np.cumsum(width[order]) - 1) // (group_by_length * tokens)  # [N] window of each place
+            order = order[np.lexsort((lengths[order], window))]  # stable: by window, then by length
+        quantum = 8 * world_size
+        plan, i, n_all = [], 0, len(order)
+        while i < n_all:
+            n, w = 0, 0
+            while i + n < n_all and (n + 1) * max(w, width[order[i + n]]) <= tokens:
+                w = max(w, width[order[i + n]])
+                n += 1
+            n = max(n - n % (quantum if n >= quantum else world_size), world_size)
+            plan.append(order[i:i + n])
+            i += n
+        if drop_last and plan and len(plan[-1]) < world_size:  # a short last batch stays: its loss is a mean
+            plan.pop()
+        if group_by_length > 1:
+            plan = [plan[j] for j in rng.permutation(len(plan))]
         return plan
 
 

@@ -105,7 +105,8 @@ class TrainReport:
     mfu: float | None
     mfu_note: str
     world_size: int
-    global_batch: int  # sequences per optimizer step
+    global_batch: int  # sequences per optimizer step (0 when batches are counted in tokens)
+    global_batch_tokens: int  # padded tokens per optimizer step at most (0 when batches count sequences)
     device: str
     draft_vocab_size: int
     vocab_coverage: float  # share of the training data's loss tokens the draft vocabulary covers
@@ -116,9 +117,12 @@ class TrainReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def _batch_words(self) -> str:
+        return f"{self.global_batch_tokens} padded tokens" if self.global_batch_tokens else str(self.global_batch)
+
     def summary(self) -> str:
         lines = [f"trained {self.steps}/{self.schedule_steps} steps on {self.device} x{self.world_size} "
-                 f"(global batch {self.global_batch}, preset {self.preset or 'custom'})"
+                 f"(global batch {self._batch_words()}, preset {self.preset or 'custom'})"
                  + (f", resumed from step {self.resumed_from}" if self.resumed_from is not None else "")]
         lines.append(f"best head: {self.head_dir} (step {self.best_step}, simulated tau@{self.tau_k} "
                      f"{self.best_sim_tau:.3f})")
@@ -336,24 +340,33 @@ PAD_MULTIPLE_CUDA = 64
 
 
 class _Cursor:
-    """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by ``seed``)."""
+    """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by
+    ``seed``); batches of ``batch_size`` sequences, or of ``batch_tokens`` padded tokens."""
 
-    def __init__(self, ds: TokenDataset, batch_size: int, env: dist.DistEnv, seed: int, epoch: int = 0,
-                 batch: int = 0, group_by_length: int = 0):
-        self.ds, self.batch_size, self.env, self.seed = ds, batch_size, env, seed
-        self.group_by_length = group_by_length
+    def __init__(self, ds: TokenDataset, cfg: TrainConfig, env: dist.DistEnv, seed: int, epoch: int = 0,
+                 batch: int = 0):
+        self.ds, self.env, self.seed = ds, env, seed
         self.pad = PAD_MULTIPLE_CUDA if env.device.type == "cuda" else 1
+        self.plan = dict(batch_size=cfg.batch_size, group_by_length=cfg.group_by_length,
+                         batch_tokens=cfg.batch_tokens, cap=cfg.max_length)
         self.epoch, self.batch = epoch, batch
-        self.per_epoch = ds.num_batches(batch_size, env.world_size)
+        self.per_epoch = self.epoch_length(epoch)
         self._it: Iterator[Batch] | None = None
+
+    def epoch_length(self, epoch: int) -> int:
+        """Micro-batches in epoch ``epoch`` (by tokens, the count depends on the epoch's order)."""
+        p = self.plan
+        return len(self.ds.global_batches(p["batch_size"] * self.env.world_size, self.seed, epoch, True,
+                                          p["group_by_length"], p["batch_tokens"] * self.env.world_size,
+                                          p["cap"], self.pad, self.env.world_size))
 
     def next(self) -> Batch:
         if self.batch >= self.per_epoch:
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+            self.per_epoch = self.epoch_length(self.epoch)
         if self._it is None:
-            self._it = self.ds.batches(self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch,
-                                       rank=self.env.rank, world_size=self.env.world_size,
-                                       group_by_length=self.group_by_length, pad_to_multiple_of=self.pad)
+            self._it = self.ds.batches(seed=self.seed, epoch=self.epoch, start=self.batch, rank=self.env.rank,
+                                       world_size=self.env.world_size, pad_to_multiple_of=self.pad, **self.plan)
         self.batch += 1
         return next(self._it)
 
@@ -484,10 +497,14 @@ class _Trainer:
         # -- data (checked before the target is loaded: a bad directory fails fast)
         self.train_ds = _load_split(self.data, "train", required=True)
         self.eval_ds = _load_split(self.data, "eval", required=False)
-        self.global_batch = cfg.batch_size * env.world_size * cfg.grad_accum
-        if self.train_ds.num_batches(cfg.batch_size, env.world_size) < 1:
+        tokens = cfg.batch_tokens > 0
+        self.global_batch = 0 if tokens else cfg.batch_size * env.world_size * cfg.grad_accum
+        self.global_batch_tokens = cfg.batch_tokens * env.world_size * cfg.grad_accum
+        need = env.world_size if tokens else cfg.batch_size * env.world_size
+        if len(self.train_ds) < need:
             raise UserError(f"the training split has {len(self.train_ds)} conversations, fewer than one batch of "
-                            f"{cfg.batch_size * env.world_size} (batch_size x processes): lower batch_size or add data")
+                            f"{need} ({'one per process' if tokens else 'batch_size x processes'}): add data"
+                            + ("" if tokens else " or lower batch_size"))
 
         # -- the target, frozen
         self.model, tokenizer = self._load_target(loaded_target, dtype)
@@ -557,7 +574,7 @@ class _Trainer:
 
         # -- state: fresh or resumed
         self.step, self.best_step, self.best_score = 0, 0, -math.inf
-        self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, cfg.seed, group_by_length=cfg.group_by_length)
+        self.cursor = _Cursor(self.train_ds, cfg, env, cfg.seed)
         self.last_eval: dict[str, Any] = {}
         self.window = _Sums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
         if self.resume_state is not None:
@@ -566,8 +583,7 @@ class _Trainer:
             self.scheduler.load_state_dict(s["scheduler"])
             self.step, self.best_step, self.best_score = int(s["step"]), int(s["best_step"]), float(s["best_score"])
             pos = s["position"]
-            self.cursor = _Cursor(self.train_ds, cfg.batch_size, env, int(pos["seed"]), int(pos["epoch"]),
-                                  int(pos["batch"]), cfg.group_by_length)
+            self.cursor = _Cursor(self.train_ds, cfg, env, int(pos["seed"]), int(pos["epoch"]), int(pos["batch"]))
             self.last_eval = s.get("last_eval") or {}
             w = s["window"]
             self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
@@ -708,6 +724,7 @@ class _Trainer:
             final_eval=self.last_eval, train_tokens=tokens_seen, wall_s=time.perf_counter() - self.t_start,
             train_s=train_s, tokens_per_s=tokens_seen / train_s if train_s > 0 else 0.0, mfu=mfu,
             mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
+            global_batch_tokens=self.global_batch_tokens,
             device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
             vocab_coverage=self.vocab.coverage(), resumed_from=self.resumed_from, rank=env.rank, notes=self.notes)
 
@@ -819,7 +836,7 @@ class _Trainer:
             atomic_write_json(self.out / "train_config.json", {
                 "config": self.config.to_dict(), "preset": self.preset, "target": self.target_name,
                 "data": self.data, "init": self.init, "world_size": self.env.world_size,
-                "global_batch": self.global_batch, "device": str(self.env.device),
+                "global_batch": self.global_batch, "global_batch_tokens": self.global_batch_tokens, "device": str(self.env.device),
                 "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
             atomic_write_text(self.metrics_path, "")
         else:
