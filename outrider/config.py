@@ -175,18 +175,19 @@ PRESETS: dict[str, TrainConfig] = {
         steps=160, batch_size=2, grad_accum=1, max_length=384, lr=2e-3, min_lr_ratio=0.1, warmup_steps=8,
         grad_clip=0.5, ttt_steps=3, draft_vocab_size=4096, eval_every=80, eval_examples=16, save_every=80,
     ),
-    # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): batches of 48k
-    # padded tokens (sequences of <= 1024 tokens drawn by length; ~150 of a typical ~300 tokens). A
-    # step of a 135M target costs ~90 ms whatever its size (the host launching the target's and the
-    # head's kernels: steps of 5k and 10k tokens took 89 and 92 ms, of 20k 111 ms, in the seventh
-    # session's run of 64 sequences per step, whose steps of <15k tokens ran at 3-13 % MFU), so
-    # fewer, larger steps; a stop at 8 minutes of training, which also sets the cosine's pace, so
-    # that the preset fits a 10-minute budget whatever the machine (the step horizon is an upper
-    # bound). The loss runs in the Triton kernels and the head's step compiled (~55 s of compilation
-    # in the first steps). (Starting lm_head from the target's did worse early on in a CPU trial.)
+    # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): 64 sequences of
+    # <= 1024 tokens per step, drawn by length, and a stop at 8 minutes of training, which also
+    # sets the cosine's pace, so that the preset fits a 10-minute budget whatever the machine (the
+    # step horizon is an upper bound). The loss runs in the Triton kernels and the head's step
+    # compiled (~55 s of compilation in the first steps). Batches by a budget of 48k padded tokens
+    # (``batch_tokens``) were tried in the ninth session: steps of ~43k tokens, median step 203k
+    # tokens/s (MFU 19.0 %, against 181k and 18.6 % by count), but half the optimizer steps in the
+    # time and a worse head (walked tau@5 2.29 against 2.82 after 400 / 480 s): at this learning
+    # rate the head is short of updates, not of tokens per update. (Starting lm_head from the
+    # target's did worse early on in a CPU trial.)
     "full": TrainConfig(
         steps=6000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=500, eval_examples=256, save_every=500,
-        time_budget_s=480.0, compile_head=True, batch_tokens=49152,
+        time_budget_s=480.0, compile_head=True,
     ),
 }
