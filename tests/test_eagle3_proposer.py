@@ -9,7 +9,7 @@ import torch
 from outrider.engine import SpecEngine
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
-from outrider.proposers.eagle3 import Eagle3Proposer
+from outrider.proposers.eagle3 import SLOT_ALIGN, Eagle3Proposer, HeadCache
 from outrider.sampling import SamplingParams
 
 MAX_NEW = 20
@@ -126,3 +126,14 @@ def test_compiled_draft_step_compiles_once_per_role(tiny_models):
     targets = compiled_variants(kv_cache._plain_step)
     SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, compile="aot_eager").generate(_prompts()[:1], 12)
     assert compiled_variants(kv_cache._plain_step) == targets
+
+
+def test_head_cache_slots_are_aligned_and_the_extra_ones_never_seen():
+    cache = HeadCache(2, 100, 3, 8, torch.float32, torch.device("cpu"))
+    assert cache.keys.shape == (2, 3, 128, 8) and cache.keys.shape[2] % SLOT_ALIGN == 0
+    positions = torch.tensor([[5, 99], [0, 7]])  # [batch, n]
+    valid = torch.tensor([[True, True], [False, True]])
+    mask = cache.mask(positions, valid)[:, 0]  # [batch, n, slots]
+    assert torch.equal(mask[0, 1, :100], torch.ones(100, dtype=torch.bool)) and mask[0, 0, :6].all()
+    assert not mask[0, 0, 6:].any() and not mask[:, :, 101:].any()  # past the scratch slot: never
+    assert mask[1, 0].nonzero().flatten().tolist() == [100]  # padding sees the scratch slot only

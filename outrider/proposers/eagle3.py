@@ -42,9 +42,9 @@ class HeadCache:
     first multiple of ``SLOT_ALIGN`` above ``max_len``.
 
     Slot ``s < max_len`` holds position ``s``; slot ``max_len`` is scratch for padding entries; the
-    slots after it stay masked. ``write``
-    sets where the next ``update`` scatters (``[batch, n]`` slots). The buffers exist from the
-    start, so a compiled step sees the same tensors (and guards) on every call.
+    slots after it stay masked. ``write`` sets where the next ``update`` scatters (``[batch, n]``
+    slots). The buffers exist from the start, so a compiled step sees the same tensors (and
+    guards) on every call.
     """
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
