@@ -13,6 +13,8 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
 - ``eager-head``: ``compile_head = false`` (the head's step in eager kernels);
+- ``graphed-target``: ``graph_target = true`` (the target's forward replayed as a CUDA graph per
+  batch shape);
 - ``bsN``: the preset with ``batch_size = N``.
 
 The first variant of a process pays one-time costs on a GPU (its median came out at less than half
@@ -25,7 +27,7 @@ copies; the rest of the wall time the GPU waits for the host) and writes the ker
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
 ``--write-best F`` writes to F the ``full`` preset with the compile settings (``loss_kernel``,
-``compile_head``) of the fastest of the variants run (by median tokens/s), for a
+``compile_head``, ``graph_target``) of the fastest of the variants run (by median tokens/s), for a
 training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
@@ -58,6 +60,8 @@ def variant_config(name: str, steps: int) -> TrainConfig:
         return cfg.replace(compile=False)
     if name == "eager-head":
         return cfg.replace(compile_head=False)
+    if name == "graphed-target":
+        return cfg.replace(graph_target=True)
     if name.startswith("bs"):
         return cfg.replace(batch_size=int(name[2:]))
     if name != "full":
@@ -97,7 +101,8 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
     objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cfg.compile_head)
     tokens = 0
-    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids) as capture:
+    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, graphs=cfg.graph_target,
+                       max_tokens=cfg.batch_size * cfg.max_length) as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)
@@ -153,7 +158,8 @@ def main() -> None:
     if a.write_best and results["variants"]:
         best = max(results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
-        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_head=flags.compile_head)
+        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_head=flags.compile_head,
+                                                 graph_target=flags.graph_target)
         cfg.save(a.write_best)
         results["best"] = {"variant": best["variant"], "config": a.write_best}
     if a.profile:

@@ -66,6 +66,7 @@ class TrainConfig:
     time_budget_s: float = 0.0  # > 0: stop (final eval, checkpoint) after this much training; lr anneals by it
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
     batch_tokens: int = 0  # > 0: a micro-batch is this many padded tokens per process, not batch_size sequences
+    graph_target: bool = False  # on CUDA, the target's forward replays a CUDA graph per batch shape (dense targets)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))

@@ -58,3 +58,27 @@ def test_bound_capture_is_reusable_and_detaches(target):
         torch.testing.assert_close(first.teacher[:1], second.teacher, atol=1e-4, rtol=1e-5)
         assert not cap.aux_capture.states  # no hidden states kept between calls
     assert all(not layer._forward_pre_hooks for layer in layers)
+
+
+def test_the_graphed_forward_with_its_explicit_mask_writes_what_the_capture_returns(target):
+    """``write_into`` is the body a CUDA graph records (4-D mask, outputs into given buffers):
+    run eagerly here, its values at real positions equal the plain capture's, padding either side."""
+    ids, mask = _batch()
+    with TargetCapture(target, AUX, DRAFT_IDS) as cap:
+        want = cap(ids, mask)
+        aux = torch.full_like(want.aux, float("nan"))
+        teacher = torch.full_like(want.teacher, float("nan"))
+        cap.write_into(ids, mask, aux, teacher)
+        assert not cap.aux_capture.states
+    real = mask.bool()
+    assert torch.isfinite(aux).all() and torch.isfinite(teacher).all()  # every row saw at least itself
+    torch.testing.assert_close(aux[real], want.aux[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(teacher[real], want.teacher[real], atol=1e-4, rtol=1e-5)
+
+
+def test_graphs_are_off_on_the_cpu_and_without_a_token_budget(target):
+    with TargetCapture(target, AUX, DRAFT_IDS, graphs=True, max_tokens=1000) as cap:
+        assert not cap.graphs  # CUDA only
+        ids, mask = _batch()
+        got = cap(ids, mask)
+        assert got.teacher.shape == (3, 14, len(DRAFT_IDS))

@@ -131,10 +131,38 @@ def cuda_training(tmp_path_factory):
 
 @pytest.mark.parametrize("flags", [{"compile": True, "loss_kernel": "triton"},
                                    {"compile": True, "loss_kernel": "compile"},
-                                   {"compile_head": True}],
-                         ids=["triton-loss", "compiled-loss", "compiled-head"])
+                                   {"compile_head": True},
+                                   {"graph_target": True}],
+                         ids=["triton-loss", "compiled-loss", "compiled-head", "graphed-target"])
 def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
     report, losses = cuda_training("-".join(f"{k}={v}" for k, v in flags.items()), **flags)
     _, eager = cuda_training("eager")
     assert report.steps == 6 and len(losses) == 6
     assert losses == pytest.approx(eager, rel=1e-4)
+
+
+def test_graphed_capture_equals_the_eager_capture(tiny_kind, cuda_models):
+    from outrider.train.capture import TargetCapture
+
+    model, _ = cuda_models(tiny_kind)
+    aux_ids, draft_ids = (0, 1, 3), torch.arange(5, 60, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    eager = TargetCapture(model, aux_ids, draft_ids)
+    graphed = TargetCapture(model, aux_ids, draft_ids, graphs=True, max_tokens=4 * 64)
+    try:
+        for B, S in [(4, 64), (2, 32), (4, 64)]:  # a second shape, then the first graph replayed again
+            ids = torch.randint(3, 90, (B, S), device="cuda", generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, S // 2:] = 0  # right padding, as the trainer's batches
+            want = eager(ids, mask)
+            got = graphed(ids, mask)
+            real = mask.bool()
+            torch.testing.assert_close(got.aux[real], want.aux[real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.teacher[real], want.teacher[real], atol=1e-4, rtol=1e-5)
+        if graphed.graphs:
+            assert len(graphed._graphs) == 2 and not graphed.notes
+        else:  # grouped experts sync with the host: such targets stay eager, said in the notes or by design
+            assert tiny_kind != "llama"
+    finally:
+        eager.close()
+        graphed.close()

@@ -19,6 +19,13 @@ Contract:
 - Padding: ``attention_mask`` [batch, seq] (1 = real token) is passed through, with position
   ids counted over the real tokens (so left and right padding both work). Values at padded
   positions are meaningless and must be masked by the consumer.
+- ``graphs=True`` with ``max_tokens`` (CUDA, dense targets): each batch shape's forward is
+  captured once as a CUDA graph and replayed (a step of a small target is otherwise bound by
+  the host launching ~1,600 kernels). The graphs share one memory pool and write into
+  persistent buffers of ``max_tokens`` rows, so the returned tensors are **valid until the next
+  call**. The graphed forward takes an explicit 4-D mask (causal over real keys, each position
+  seeing itself, so no row is empty); larger batches, targets with grouped experts (whose
+  ``grouped_mm`` syncs with the host), and a capture that fails (noted in ``notes``) run eager.
 
 Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
 of the default model had not finished after eight minutes, and on a tiny float32 target its losses
@@ -34,6 +41,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn import functional as F
 
+from outrider.kv_cache import capture_graph
 from outrider.models import AuxCapture
 
 
@@ -46,7 +54,8 @@ class Captured:
 class TargetCapture:
     """A frozen target bound for capture; call it on batches, ``close()`` it when done."""
 
-    def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any):
+    def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any,
+                 graphs: bool = False, max_tokens: int = 0):
         # draft_ids: [draft_vocab] target ids (or a ``DraftVocab``, whose ``draft_ids`` are used)
         self.target = target.eval().requires_grad_(False)
         self.decoder = target.get_decoder()
@@ -58,6 +67,14 @@ class TargetCapture:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach().index_select(0, ids)  # [draft_vocab]
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
+        get = getattr(target, "get_experts_implementation", None)
+        grouped = callable(get) and isinstance(get(), dict) and "grouped_mm" in get().values()
+        self.graphs = bool(graphs) and max_tokens > 0 and self.weight.is_cuda and not grouped
+        self.max_tokens = max_tokens
+        self.notes: list[str] = []
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (batch, seq) -> graph, its inputs, its outputs
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat aux and teacher rows
+        self._pool = None
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -68,6 +85,8 @@ class TargetCapture:
         # input_ids: [batch, seq]; attention_mask: [batch, seq], 1 on real tokens
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if self.graphs and input_ids.numel() <= self.max_tokens:
+            return self._replay(input_ids, attention_mask)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [batch, seq]
         try:
             aux, teacher = self._forward(input_ids, attention_mask, position_ids)
@@ -86,7 +105,66 @@ class TargetCapture:
             teacher = torch.tanh(teacher / self.softcap) * self.softcap
         return aux, teacher
 
+    def write_into(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux: torch.Tensor,
+                   teacher: torch.Tensor) -> None:
+        """The forward a graph records: aux [batch, seq, 3*H_t] and teacher [batch, seq, draft_vocab]
+        written into the given tensors, with an explicit 4-D mask (no host synchronisation)."""
+        B, S = input_ids.shape
+        real = attention_mask.bool()  # [B, S]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=real.device).tril()  # [S, S]
+        eye = torch.eye(S, dtype=torch.bool, device=real.device)
+        allowed = (causal & real[:, None, :]) | eye  # [B, S, S]: real keys up to each query, and itself
+        dtype = self.weight.dtype
+        mask = torch.zeros(B, 1, S, S, dtype=dtype, device=real.device).masked_fill_(
+            ~allowed[:, None], torch.finfo(dtype).min)  # [B, 1, S, S] additive
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            torch.cat([self.aux_capture.states[j] for j in self.aux_layer_ids], dim=-1, out=aux)
+        finally:
+            self.aux_capture.states.clear()
+        final = out.last_hidden_state.reshape(B * S, -1)  # [B*S, H_t], after the final norm
+        rows = teacher.view(B * S, -1)  # [B*S, draft_vocab]
+        torch.mm(final, self.weight.t(), out=rows)
+        if self.bias is not None:
+            rows.add_(self.bias)
+        if self.softcap:
+            rows.div_(self.softcap).tanh_().mul_(self.softcap)
+
+    def _replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Captured:
+        key = (int(input_ids.shape[0]), int(input_ids.shape[1]))
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(*key)
+            except RuntimeError as e:  # a target whose forward cannot be captured: eager from now on
+                self.graphs = False
+                self.notes.append(f"the target's forward runs eager: its CUDA graph capture failed ({e})"[:300])
+                torch.cuda.synchronize(input_ids.device)
+                return self(input_ids, attention_mask)
+            self._graphs[key] = entry
+        graph, ids, mask, aux, teacher = entry
+        ids.copy_(input_ids)
+        mask.copy_(attention_mask)
+        graph.replay()
+        return Captured(aux=aux, teacher=teacher)
+
+    def _capture(self, B: int, S: int) -> tuple:
+        dev, dtype = self.weight.device, self.weight.dtype
+        width = len(self.aux_layer_ids) * self.weight.shape[1]
+        if self._buffers is None:  # outside the pool: every graph writes its outputs here
+            self._buffers = (torch.empty(self.max_tokens * width, dtype=dtype, device=dev),
+                             torch.empty(self.max_tokens * self.weight.shape[0], dtype=dtype, device=dev))
+            self._pool = torch.cuda.graph_pool_handle()
+        aux = self._buffers[0][:B * S * width].view(B, S, width)
+        teacher = self._buffers[1][:B * S * self.weight.shape[0]].view(B, S, -1)
+        ids = torch.zeros(B, S, dtype=torch.long, device=dev)
+        mask = torch.ones(B, S, dtype=torch.long, device=dev)
+        graph, _ = capture_graph(lambda: self.write_into(ids, mask, aux, teacher), dev, warmups=2, pool=self._pool)
+        return graph, ids, mask, aux, teacher
+
     def close(self) -> None:
+        self._graphs.clear()
         self.aux_capture.close()
 
     def __enter__(self) -> "TargetCapture":

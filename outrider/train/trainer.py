@@ -683,7 +683,8 @@ class _Trainer:
         if self.resume_state is not None:
             _set_rng_state(self.resume_state["rng"])
         try:
-            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids) as capture:
+            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
+                               max_tokens=max(cfg.batch_tokens, cfg.batch_size * cfg.max_length)) as capture:
                 self.capture = capture
                 while self.step < self.stop_at:
                     t0 = time.perf_counter()
@@ -710,6 +711,7 @@ class _Trainer:
                         self._evaluate(bar)
                     if self.step % cfg.save_every == 0 or self.step == self.stop_at:
                         self._checkpoint()
+                self.notes.extend(capture.notes)
         finally:
             bar.close()
         if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
