@@ -24,8 +24,10 @@ Contract:
     scheduler, RNG states of python/numpy/torch/cuda, data position ``(epoch, batch, shuffle
     seed)``, step, best score, config) and ``trainer_state.json`` (its readable summary);
   * ``metrics.jsonl``: one line per logged step (``type: train``: loss, per-step loss and
-    accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, MFU on
-    CUDA) and per evaluation (``type: eval``; on the eval split also ``walk_tau_k``, the split's
+    accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, the step's
+    attention pairs, and on CUDA its MFU: ``mfu`` counting the weights' and the attention's
+    products of the target's forward and the head's forward and backward, ``mfu_weights`` the
+    weights' alone; ``outrider.train.flops``) and per evaluation (``type: eval``; on the eval split also ``walk_tau_k``, the split's
     spans decoded round by round, ``outrider.train.ttt.walked_accept_len``: the engine's tau on
     regenerated data, an estimate on other text); appended as training goes, cut back to the
     checkpoint's step on resume;
@@ -50,8 +52,7 @@ Contract:
   anything already written is touched.
 
 Not done here: the loss and the mask (``ttt``), the capture (``capture``), the data format
-(``data``), FSDP2 (``dist.shard_head`` is the documented hook), offline hidden-state datasets,
-attention FLOPs in the MFU (only matmul FLOPs are counted).
+(``data``), FSDP2 (``dist.shard_head`` is the documented hook), offline hidden-state datasets.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
 from outrider.head import Eagle3Config, Eagle3Head
-from outrider.train import dist, soft_ce
+from outrider.train import dist, flops, soft_ce
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
 from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
@@ -653,19 +654,23 @@ class _Trainer:
             raise UserError(f"the --init head does not fit this target ({diff}): train from scratch instead")
 
     def _target_flops_per_token(self) -> float:
-        """Matmul FLOPs per token of one forward: 2 x (decoder parameters + the draft rows of lm_head)."""
-        decoder = self.model.get_decoder()
-        embed_ids = {id(p) for p in self.embedding.parameters()}
-        params = sum(p.numel() for p in decoder.parameters() if id(p) not in embed_ids)
-        params += self.head.config.target_hidden_size * self.vocab.draft_vocab_size
-        return 2.0 * params
+        """Matmul FLOPs per token of one forward (``flops``): the decoder's weights, routed experts
+        at their top-k share, and the draft rows of lm_head."""
+        return flops.target_flops_per_token(self.model.get_decoder(), self.embedding.parameters(),
+                                            self.head.config.target_hidden_size * self.vocab.draft_vocab_size,
+                                            self.model.config)
 
-    def _head_flops(self, tokens: int, counted: torch.Tensor) -> float:
-        """Forward + backward matmul FLOPs of the head: 6 x body params x tokens x steps, plus lm_head rows."""
+    def _step_flops(self, tokens: int, counted: torch.Tensor, pairs: int) -> tuple[float, float]:
+        """(weights-only FLOPs, attention FLOPs) of one step: the target's forward, the head's
+        forward and backward (``flops``)."""
         c = self.head.config
         lm = c.hidden_size * c.draft_vocab_size
         body = sum(p.numel() for p in self.head.parameters()) - lm
-        return 6.0 * body * tokens * self.config.ttt_steps + 6.0 * lm * float(counted.sum())
+        steps = self.config.ttt_steps
+        weights = self.flops_per_token_target * tokens + flops.head_flops(body, lm, tokens, float(counted.sum()), steps)
+        attention = (flops.target_attention_flops(self.model.config, pairs)
+                     + flops.head_attention_flops(c, tokens, pairs, steps))
+        return weights, attention
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -679,7 +684,7 @@ class _Trainer:
         objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused,
                                          env.device.type == "cuda" and cfg.compile_head), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
-        train_s, tokens_seen, flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
+        train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             _set_rng_state(self.resume_state["rng"])
         try:
@@ -695,11 +700,12 @@ class _Trainer:
                     train_s += dt
                     self.train_s += dt
                     tokens_seen += m["tokens"]
-                    step_flops = self.flops_per_token_target * m["tokens"] + self._head_flops(m["tokens"], counted)
-                    flops += step_flops
+                    weights, attention = self._step_flops(m["tokens"], counted, m["attn_pairs"])
+                    total_flops += weights + attention
                     m["tokens_per_s"] = round(m["tokens"] / dt, 2)
                     if self.peak:
-                        m["mfu"] = round(step_flops / (dt * self.peak * env.world_size), 5)
+                        m["mfu"] = round((weights + attention) / (dt * self.peak * env.world_size), 5)
+                        m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
                     bar.update(self.step, m, m["tokens_per_s"])
                     if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
                         self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
@@ -716,7 +722,7 @@ class _Trainer:
             bar.close()
         if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
             self._checkpoint_head()  # a resume of a finished run with no head/ left
-        mfu = flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
+        mfu = total_flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
         if self.eval_ds is None:
             self.notes.append("the data has no eval split: the best head was chosen on training accuracy")
         return TrainReport(
@@ -748,7 +754,9 @@ class _Trainer:
         micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
         index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
         counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
-        counted = dist.all_reduce_sum(counted, env)  # [steps] over the global batch
+        pairs = sum(flops.causal_pairs(b.attention_mask.sum(1).tolist()) for b in micro)  # attention pairs
+        both = dist.all_reduce_sum(torch.cat([counted, torch.tensor([pairs])]), env)  # over the global batch
+        counted, pairs = both[:-1], int(both[-1])  # [steps], scalar
         scale = float(env.world_size)  # DDP averages gradients over ranks; the loss is a global mean
         weights = [w * scale / max(int(n), 1) for w, n in zip(self.weights, counted.tolist())]
         sums = _Sums(cfg.ttt_steps)
@@ -779,7 +787,7 @@ class _Trainer:
                             f"in {self.last_dir} is intact (lower lr, or check the target and the data)")
         self.step += 1
         self.window.merge(sums)
-        m.update(step=self.step, epoch=self.cursor.epoch, lr=lr, grad_norm=round(float(grad_norm), 6))
+        m.update(step=self.step, epoch=self.cursor.epoch, lr=lr, grad_norm=round(float(grad_norm), 6), attn_pairs=pairs)
         return m, counted
 
     @torch.no_grad()
