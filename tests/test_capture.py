@@ -82,3 +82,62 @@ def test_graphs_are_off_on_the_cpu_and_without_a_token_budget(target):
         ids, mask = _batch()
         got = cap(ids, mask)
         assert got.teacher.shape == (3, 14, len(DRAFT_IDS))
+
+
+class _Rerun:
+    """Stands in for a CUDA graph on the CPU: a replay runs the recorded body again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def test_graph_bookkeeping_per_shape_with_buffers_shared_across_shapes(target, monkeypatch):
+    """The graphed path's inputs, outputs and per-shape entries, with the capture replaced by a
+    re-run of the same body (the CUDA capture itself is tested on the GPU)."""
+    import outrider.train.capture as capture_mod
+
+    captured = []
+
+    def fake_capture(fn, device, warmups, pool=None, after_each=None):
+        captured.append(device)
+        fn()
+        return _Rerun(fn), None
+
+    monkeypatch.setattr(capture_mod, "capture_graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    g = torch.Generator().manual_seed(1)
+    with TargetCapture(target, AUX, DRAFT_IDS) as eager, \
+            TargetCapture(target, AUX, DRAFT_IDS, graphs=True, max_tokens=3 * 14) as graphed:
+        graphed.graphs = True  # as on CUDA
+        for B, S in [(3, 14), (2, 9), (3, 14), (2, 30)]:  # the last one is over max_tokens: eager
+            ids = torch.randint(3, 96, (B, S), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, S - 3:] = 0
+            want, got = eager(ids, mask), graphed(ids, mask)
+            real = mask.bool()
+            torch.testing.assert_close(got.aux[real], want.aux[real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.teacher[real], want.teacher[real], atol=1e-4, rtol=1e-5)
+        assert sorted(graphed._graphs) == [(2, 9), (3, 14)] and len(captured) == 2
+        a = graphed(torch.randint(3, 96, (2, 9), generator=g), torch.ones(2, 9, dtype=torch.long))
+        b = graphed(torch.randint(3, 96, (3, 14), generator=g), torch.ones(3, 14, dtype=torch.long))
+        assert a.teacher.data_ptr() == b.teacher.data_ptr()  # one persistent buffer: valid until the next call
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_with_a_note(target, monkeypatch):
+    import outrider.train.capture as capture_mod
+
+    def failing(fn, device, warmups, pool=None, after_each=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(capture_mod, "capture_graph", failing)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    ids, mask = _batch()
+    with TargetCapture(target, AUX, DRAFT_IDS) as eager, \
+            TargetCapture(target, AUX, DRAFT_IDS, graphs=True, max_tokens=100) as graphed:
+        graphed.graphs = True
+        got, want = graphed(ids, mask), eager(ids, mask)
+        assert not graphed.graphs and "capture failed" in graphed.notes[0]
+        torch.testing.assert_close(got.teacher, want.teacher)

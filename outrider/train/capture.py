@@ -140,7 +140,8 @@ class TargetCapture:
             except RuntimeError as e:  # a target whose forward cannot be captured: eager from now on
                 self.graphs = False
                 self.notes.append(f"the target's forward runs eager: its CUDA graph capture failed ({e})"[:300])
-                torch.cuda.synchronize(input_ids.device)
+                if input_ids.is_cuda:
+                    torch.cuda.synchronize(input_ids.device)
                 return self(input_ids, attention_mask)
             self._graphs[key] = entry
         graph, ids, mask, aux, teacher = entry
