@@ -218,16 +218,22 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
 # Fine-tuning and bad input: one line, nothing already written is lost
 
 
-def test_init_fine_tunes_and_refuses_another_vocabulary(env, straight, tmp_path):
+def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, straight, tmp_path):
     ref, _ = straight
     report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
                    config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
-    assert report.steps == 2
+    assert report.steps == 2 and not any("draft vocabulary" in n for n in report.notes)
     first = _train_records(tmp_path / "ft")[0]
     assert first["loss"] < _train_records(ref)[0]["loss"]  # it started from the trained head
-    with pytest.raises(UserError, match="draft vocabulary differs"):
-        train(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"), config=CFG, progress=False)
-    assert not (tmp_path / "ft2" / "last").exists()
+    other = train(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"),
+                  config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    note = next(n for n in other.notes if "kept the --init head's draft vocabulary" in n)
+    mine = DraftVocab.load(ref / "last")
+    theirs = DraftVocab.load(tmp_path / "ft2" / "last")
+    assert torch.equal(theirs.draft_ids, mine.draft_ids) and theirs.coverage() < 1.0  # other data, same rows
+    assert f"{100 * theirs.coverage():.2f} %" in note and other.vocab_coverage == pytest.approx(theirs.coverage())
+    head = load_head(tmp_path / "ft2" / "head")[0]
+    assert torch.equal(head.d2t.cpu(), mine.d2t)
 
 
 def test_resume_refusals_keep_the_checkpoint(env, straight, tmp_path):

@@ -12,8 +12,10 @@ Contract:
   before any forward and summed over ranks), so 1 process and N processes with the same global
   batch compute the same gradient up to float rounding.
 - The draft vocabulary is built from the training split's loss-masked token counts before the
-  first step and stored with every checkpoint; a resume or an ``init`` fine-tune whose data
-  would give another vocabulary refuses (``UserError``).
+  first step and stored with every checkpoint; a resume whose data would give another
+  vocabulary refuses (``UserError``); an ``init`` fine-tune keeps the head's vocabulary (its
+  rows of lm_head belong to it) and notes its coverage of the new data when the data alone would
+  choose differently.
 - Output directory ``out``:
   * ``head/``: the best head so far, a servable folder written by ``outrider.export.save_head``
     (``config.json`` in the vLLM/SGLang EAGLE-3 format with an ``outrider`` section holding the
@@ -77,7 +79,7 @@ from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist, flops, soft_ce
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
 from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
-from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same
+from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
 STATE_FORMAT = "outrider-train-state"
 STATE_VERSION = 1
@@ -531,9 +533,14 @@ class _Trainer:
             self.config = cfg = cfg.replace(aux_layer_ids=init_head.config.aux_layer_ids, draft_vocab_size=size)
         pairs = ((ids.astype(np.int64), mask.astype(np.int64)) for ids, mask in
                  zip(self.train_ds.input_ids, self.train_ds.loss_mask))
-        self.vocab = build_draft_vocab(pairs, vocab_size, size)
-        if init is not None:
-            check_same(init_vocab, self.vocab)
+        counts = token_counts(pairs, vocab_size)  # [vocab] loss-masked occurrences
+        self.vocab = build_draft_vocab(counts, vocab_size, size)
+        if init is not None:  # the head's rows belong to its vocabulary: a fine-tune keeps it
+            own, ids = self.vocab, init_vocab.draft_ids
+            self.vocab = DraftVocab.from_draft_ids(ids, vocab_size, counts[ids], int(counts.sum()))
+            if not torch.equal(ids, own.draft_ids):
+                self.notes.append(f"kept the --init head's draft vocabulary: it covers {100 * self.vocab.coverage():.2f} % "
+                                  f"of this data's loss tokens (one built from this data: {100 * own.coverage():.2f} %)")
         if self.resume_state is not None:
             check_same(DraftVocab.load(self.last_dir), self.vocab)
 

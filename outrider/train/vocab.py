@@ -11,7 +11,7 @@ Contract (DESIGN.md, "Draft vocabulary"):
   ``target_id = i + d2t[i]``, and ``t2d`` is a bool mask over the target vocabulary.
 - Stored next to every checkpoint as ``draft_vocab.safetensors`` (``d2t``, ``t2d``, ``counts``;
   metadata: sizes, total count), written atomically. ``check_same`` refuses, with a
-  ``UserError``, a resumed or fine-tuned run whose vocabulary would differ from the checkpoint's.
+  ``UserError``, a resumed run whose vocabulary would differ from the checkpoint's.
 
 Not done here: choosing N from a coverage target, merging vocabularies of several runs.
 """
