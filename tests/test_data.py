@@ -572,3 +572,14 @@ def test_token_budget_batches_fill_the_budget_with_few_shapes():
     assert len(ranks[0]) == len(ranks[1]) == len(single)
     for step, b in enumerate(single):
         assert sorted(ranks[0][step].indices.tolist() + ranks[1][step].indices.tolist()) == sorted(b.tolist())
+
+
+def test_repeated_conversations_under_other_ids_are_kept_once(tmp_path, target):
+    convs = many_conversations(30)
+    records = [sharegpt_record(c, t) for c, t in convs] + [sharegpt_record(f"copy-{c}", t) for c, t in convs[:6]]
+    rep = build_dataset(target, write_json(tmp_path / "d.json", records), str(tmp_path / "out"), eval_fraction=0.3,
+                        progress=False)
+    assert rep.kept == 30 and rep.dropped.get("duplicate") == 6
+    train, held = (load_dataset(tmp_path / "out", s) for s in ("train", "eval"))
+    keys = [{x.tobytes() for x in ds.input_ids} for ds in (train, held)]
+    assert not keys[0] & keys[1] and len(keys[0]) == len(train) and len(keys[1]) == len(held)

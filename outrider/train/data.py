@@ -20,8 +20,10 @@ Contract:
   A template that renders a reply differently once later turns follow (``Q_i`` is not a prefix
   of ``P_{i+1}``, as when a thinking block is kept only on the final reply) is not split across
   turns: only the last reply that fits is learned, in its final form, after its context.
-- Sequences are cut to ``max_length`` tokens; a conversation with no masked token left is dropped.
-  Train/eval split by a seeded permutation. Output directory (written atomically): shards
+- Sequences are cut to ``max_length`` tokens; a conversation with no masked token left is dropped,
+  and so is one whose tokens an earlier one already has (sources repeat conversations under other
+  ids: such a copy would train twice, or sit on both sides of the split). Train/eval split by a
+  seeded permutation. Output directory (written atomically): shards
   ``{train,eval}-NNNNN.parquet`` with columns ``input_ids list<int32>``, ``loss_mask list<int8>``
   (aligned with ``input_ids``: ``loss_mask[t] = 1`` iff token ``t`` is an assistant token the
   model must learn to predict from the tokens before it), ``conv_id string``; and
@@ -1105,10 +1107,15 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
 
     rows: list[tuple[str, list[int], list[int]]] = []
     truncated = last_turn_only = 0
+    seen: set[bytes] = set()
     with _Bar(progress, "tokenising", len(conversations)) as bar:
         for conv in conversations:
             try:
                 tok = tokenize_conversation(tokenizer, conv.messages, max_length, end)
+                key = np.asarray(tok.input_ids, dtype=np.int64).tobytes()
+                if key in seen:
+                    raise Dropped("duplicate")
+                seen.add(key)
             except Dropped as d:
                 dropped[d.reason] += 1
             else:
