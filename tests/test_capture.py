@@ -141,3 +141,15 @@ def test_a_failed_graph_capture_falls_back_to_eager_with_a_note(target, monkeypa
         got, want = graphed(ids, mask), eager(ids, mask)
         assert not graphed.graphs and "capture failed" in graphed.notes[0]
         torch.testing.assert_close(got.teacher, want.teacher)
+
+
+def test_only_dense_full_attention_targets_are_graphed():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from outrider.train.capture import graphable
+
+    assert graphable(make_tiny("llama")) and not graphable(make_tiny("deepseek_v3"))  # MoE: routed by data
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8))
+    assert not graphable(windowed)  # one explicit full-context mask would ignore the window

@@ -234,6 +234,14 @@ def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, strai
     assert f"{100 * theirs.coverage():.2f} %" in note and other.vocab_coverage == pytest.approx(theirs.coverage())
     head = load_head(tmp_path / "ft2" / "head")[0]
     assert torch.equal(head.d2t.cpu(), mine.d2t)
+    cfg = CFG.replace(steps=4, eval_every=4, save_every=2)  # a fine-tune that keeps its vocabulary resumes
+    train(env["target"], env["other"], str(tmp_path / "ft3"), init=str(ref / "head"), config=cfg, max_steps=2,
+          progress=False)
+    resumed = train(env["target"], env["other"], str(tmp_path / "ft3"), resume=True, progress=False)
+    assert resumed.resumed_from == 2 and resumed.steps == 4
+    assert torch.equal(DraftVocab.load(tmp_path / "ft3" / "last").draft_ids, mine.draft_ids)
+    with pytest.raises(UserError, match="draft vocabulary differs|training data differs"):
+        train(env["target"], env["data"], str(tmp_path / "ft3"), resume=True, progress=False)
 
 
 def test_resume_refusals_keep_the_checkpoint(env, straight, tmp_path):

@@ -19,13 +19,15 @@ Contract:
 - Padding: ``attention_mask`` [batch, seq] (1 = real token) is passed through, with position
   ids counted over the real tokens (so left and right padding both work). Values at padded
   positions are meaningless and must be masked by the consumer.
-- ``graphs=True`` with ``max_tokens`` (CUDA, dense targets): each batch shape's forward is
+- ``graphs=True`` with ``max_tokens`` (CUDA, ``graphable`` targets: dense, full causal attention
+  in every layer, no soft-capping): each batch shape's forward is
   captured once as a CUDA graph and replayed (a step of a small target is otherwise bound by
   the host launching ~1,600 kernels). The graphs share one memory pool and write into
   persistent buffers of ``max_tokens`` rows, so the returned tensors are **valid until the next
   call**. The graphed forward takes an explicit 4-D mask (causal over real keys, each position
-  seeing itself, so no row is empty); larger batches, targets with grouped experts (whose
-  ``grouped_mm`` syncs with the host), and a capture that fails (noted in ``notes``) run eager.
+  seeing itself, so no row is empty); larger batches and a capture that fails (noted in
+  ``notes``; best effort: a failed capture may leave the allocator's capture state behind) run
+  eager.
 
 Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
 of the default model had not finished after eight minutes, and on a tiny float32 target its losses
@@ -42,13 +44,24 @@ import torch
 from torch.nn import functional as F
 
 from outrider.kv_cache import capture_graph
-from outrider.models import AuxCapture
+from outrider.models import AuxCapture, arch_info
+from outrider.slot_attention import supports
 
 
 @dataclass
 class Captured:
     aux: torch.Tensor  # [batch, seq, len(aux_layer_ids) * H_t]
     teacher: torch.Tensor  # [batch, seq, draft_vocab] target logits on the draft vocabulary, unnormalised
+
+
+def graphable(target: torch.nn.Module) -> bool:
+    """Whether the graphed forward computes what the target's own does: a dense target whose
+    every layer attends causally over the full context (one explicit mask serves all layers; a
+    mixture of experts routes through the host or by data-dependent shapes)."""
+    cfg = getattr(target.config, "text_config", None) or target.config
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return (supports(target) and kinds == {"full_attention"} and not arch_info(cfg).is_moe
+            and not getattr(cfg, "attention_chunk_size", None))
 
 
 class TargetCapture:
@@ -67,9 +80,7 @@ class TargetCapture:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach().index_select(0, ids)  # [draft_vocab]
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
-        get = getattr(target, "get_experts_implementation", None)
-        grouped = callable(get) and isinstance(get(), dict) and "grouped_mm" in get().values()
-        self.graphs = bool(graphs) and max_tokens > 0 and self.weight.is_cuda and not grouped
+        self.graphs = bool(graphs) and max_tokens > 0 and self.weight.is_cuda and graphable(target)
         self.max_tokens = max_tokens
         self.notes: list[str] = []
         self._graphs: dict[tuple[int, int], tuple] = {}  # (batch, seq) -> graph, its inputs, its outputs
@@ -137,8 +148,8 @@ class TargetCapture:
         if entry is None:
             try:
                 entry = self._capture(*key)
-            except RuntimeError as e:  # a target whose forward cannot be captured: eager from now on
-                self.graphs = False
+            except (RuntimeError, ValueError, TypeError) as e:  # a forward that cannot be captured: eager from now on
+                self.graphs, self._buffers, self._pool = False, None, None
                 self.notes.append(f"the target's forward runs eager: its CUDA graph capture failed ({e})"[:300])
                 if input_ids.is_cuda:
                     torch.cuda.synchronize(input_ids.device)

@@ -12,10 +12,10 @@ Contract:
   before any forward and summed over ranks), so 1 process and N processes with the same global
   batch compute the same gradient up to float rounding.
 - The draft vocabulary is built from the training split's loss-masked token counts before the
-  first step and stored with every checkpoint; a resume whose data would give another
-  vocabulary refuses (``UserError``); an ``init`` fine-tune keeps the head's vocabulary (its
-  rows of lm_head belong to it) and notes its coverage of the new data when the data alone would
-  choose differently.
+  first step and stored with every checkpoint; a resume takes the checkpoint's and refuses
+  (``UserError``) data whose loss-token counts differ; an ``init`` fine-tune keeps the head's
+  vocabulary (its rows of lm_head belong to it) and notes its coverage of the new data when the
+  data alone would choose differently.
 - Output directory ``out``:
   * ``head/``: the best head so far, a servable folder written by ``outrider.export.save_head``
     (``config.json`` in the vLLM/SGLang EAGLE-3 format with an ``outrider`` section holding the
@@ -541,8 +541,15 @@ class _Trainer:
             if not torch.equal(ids, own.draft_ids):
                 self.notes.append(f"kept the --init head's draft vocabulary: it covers {100 * self.vocab.coverage():.2f} % "
                                   f"of this data's loss tokens (one built from this data: {100 * own.coverage():.2f} %)")
-        if self.resume_state is not None:
-            check_same(DraftVocab.load(self.last_dir), self.vocab)
+        if self.resume_state is not None:  # the checkpoint's vocabulary, if the data is the same
+            saved = DraftVocab.load(self.last_dir)
+            same = saved.target_vocab_size == vocab_size and saved.total == int(counts.sum()) \
+                and torch.equal(saved.counts, counts[saved.draft_ids])
+            if not same:
+                check_same(saved, self.vocab)  # the clearer message where the vocabulary itself moved
+                raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
+                                "with the same --data, or train into a new --out")
+            self.vocab = saved
 
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
