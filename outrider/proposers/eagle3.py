@@ -131,13 +131,8 @@ class Eagle3Proposer(Proposer):
             n = int(ctx.prompt_lens[b])
             nxt[b, :n - 1] = torch.tensor(h[1:n], device=self.dev)
             nxt[b, n - 1] = ctx.last[b]
-        valid = torch.arange(P, device=self.dev)[None, :] < ctx.prompt_lens[:, None]
-        # right-align each row so that its newest pair is last
-        shift = P - ctx.prompt_lens  # [batch]
-        idx = (torch.arange(P, device=self.dev)[None, :] - shift[:, None]) % P
         self._prompt_pending = True  # the prompt's block: fed once, by the eager step (any width, never graphed)
-        self.pending = (ctx.target_aux.gather(1, idx[..., None].expand(-1, -1, ctx.target_aux.shape[-1])),
-                        nxt.gather(1, idx), valid.gather(1, idx))
+        self.pending = _right_align(ctx.prompt_lens - 1, nxt, ctx.target_aux)  # each row's newest pair last
 
     def _draw_greedy(self, h: torch.Tensor) -> torch.Tensor:
         # h: [batch, H] hidden_out -> the draft's argmax as target ids [batch]
@@ -269,8 +264,8 @@ class Eagle3Proposer(Proposer):
 
 def _right_align(n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A verification's committed pairs as the head's pending block: row b's first n_acc[b] + 1
-    positions, right-aligned. n_acc [batch]; tokens [batch, n]; aux [batch, n, n_aux * H] ->
+    """Committed pairs as the head's pending block (a verification's, or a prompt's with n_acc =
+    its length - 1): row b's first n_acc[b] + 1 positions, right-aligned. n_acc [batch]; tokens [batch, n]; aux [batch, n, n_aux * H] ->
     (aux, tokens, valid [batch, n] bool), the padding on the left."""
     n = tokens.shape[1]
     shift = n - (n_acc + 1)  # [batch]
