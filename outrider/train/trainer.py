@@ -66,7 +66,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ from torch import nn
 
 from outrider.config import TrainConfig
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
+from outrider.fsutil import atomic_dir, atomic_write_json, atomic_write_text
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist, flops, soft_ce
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
@@ -344,34 +344,28 @@ PAD_MULTIPLE_CUDA = 64
 
 class _Cursor:
     """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by
-    ``seed``); batches of ``batch_size`` sequences, or of ``batch_tokens`` padded tokens."""
+    ``seed``); batches of ``batch_size`` sequences, or of ``batch_tokens`` padded tokens. Each
+    epoch's plan (``TokenDataset.global_batches``) is computed once, when the epoch starts."""
 
     def __init__(self, ds: TokenDataset, cfg: TrainConfig, env: dist.DistEnv, seed: int, epoch: int = 0,
                  batch: int = 0):
-        self.ds, self.env, self.seed = ds, env, seed
+        self.ds, self.cfg, self.env, self.seed = ds, cfg, env, seed
         self.pad = PAD_MULTIPLE_CUDA if env.device.type == "cuda" else 1
-        self.plan = dict(batch_size=cfg.batch_size, group_by_length=cfg.group_by_length,
-                         batch_tokens=cfg.batch_tokens, cap=cfg.max_length)
         self.epoch, self.batch = epoch, batch
-        self.per_epoch = self.epoch_length(epoch)
-        self._it: Iterator[Batch] | None = None
+        self._plan = self._epoch_plan(epoch)
 
-    def epoch_length(self, epoch: int) -> int:
-        """Micro-batches in epoch ``epoch`` (by tokens, the count depends on the epoch's order)."""
-        p = self.plan
-        return len(self.ds.global_batches(p["batch_size"] * self.env.world_size, self.seed, epoch, True,
-                                          p["group_by_length"], p["batch_tokens"] * self.env.world_size,
-                                          p["cap"], self.pad, self.env.world_size))
+    def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        cfg, w = self.cfg, self.env.world_size
+        return self.ds.global_batches(cfg.batch_size * w, self.seed, epoch, True, cfg.group_by_length,
+                                      cfg.batch_tokens * w, cfg.max_length, self.pad, w)
 
     def next(self) -> Batch:
-        if self.batch >= self.per_epoch:
-            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
-            self.per_epoch = self.epoch_length(self.epoch)
-        if self._it is None:
-            self._it = self.ds.batches(seed=self.seed, epoch=self.epoch, start=self.batch, rank=self.env.rank,
-                                       world_size=self.env.world_size, pad_to_multiple_of=self.pad, **self.plan)
+        if self.batch >= len(self._plan):
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._plan = self._epoch_plan(self.epoch)
+        rows = self._plan[self.batch][self.env.rank::self.env.world_size]  # this rank's share
         self.batch += 1
-        return next(self._it)
+        return self.ds.collate(rows, self.pad)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed}
@@ -585,6 +579,7 @@ class _Trainer:
             self.fused = "compile"
             self.notes.append("triton cannot be imported: the loss ran torch.compile'd (loss_kernel 'compile')")
         self.flops_per_token_target = self._target_flops_per_token()
+        self.head_params = sum(p.numel() for p in self.head.parameters())  # for the per-step FLOPs
         self.peak, self.mfu_note = _peak_flops(env.device)
 
         # -- state: fresh or resumed
@@ -679,9 +674,9 @@ class _Trainer:
         forward and backward (``flops``)."""
         c = self.head.config
         lm = c.hidden_size * c.draft_vocab_size
-        body = sum(p.numel() for p in self.head.parameters()) - lm
         steps = self.config.ttt_steps
-        weights = self.flops_per_token_target * tokens + flops.head_flops(body, lm, tokens, float(counted.sum()), steps)
+        weights = (self.flops_per_token_target * tokens
+                   + flops.head_flops(self.head_params - lm, lm, tokens, float(counted.sum()), steps))
         attention = (flops.target_attention_flops(self.model.config, pairs)
                      + flops.head_attention_flops(c, tokens, pairs, steps))
         return weights, attention
