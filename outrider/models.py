@@ -305,8 +305,9 @@ class AuxCapture:
             self.states[j] = hidden  # [batch, seq, hidden]
         return hook
 
-    def concat(self) -> torch.Tensor:
-        return torch.cat([self.states[j] for j in self.layer_ids], dim=-1)  # [batch, seq, n*hidden]
+    def concat(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The captured states in the given id order, [batch, seq, n*hidden] (into ``out`` if given)."""
+        return torch.cat([self.states[j] for j in self.layer_ids], dim=-1, out=out)
 
     def close(self) -> None:
         for h in self._handles:

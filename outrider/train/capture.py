@@ -64,6 +64,11 @@ def graphable(target: torch.nn.Module) -> bool:
             and not getattr(cfg, "attention_chunk_size", None))
 
 
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counted over the real tokens: [batch, seq] (padding either side)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 class TargetCapture:
     """A frozen target bound for capture; call it on batches, ``close()`` it when done."""
 
@@ -98,9 +103,8 @@ class TargetCapture:
             attention_mask = torch.ones_like(input_ids)
         if self.graphs and input_ids.numel() <= self.max_tokens:
             return self._replay(input_ids, attention_mask)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [batch, seq]
         try:
-            aux, teacher = self._forward(input_ids, attention_mask, position_ids)
+            aux, teacher = self._forward(input_ids, attention_mask, _positions(attention_mask))
         finally:
             self.aux_capture.states.clear()
         return Captured(aux=aux, teacher=teacher)
@@ -111,10 +115,21 @@ class TargetCapture:
                            use_cache=False)
         final = out.last_hidden_state  # [batch, seq, H_t], after the final norm
         aux = self.aux_capture.concat()  # [batch, seq, 3*H_t]
-        teacher = F.linear(final, self.weight, self.bias)  # [batch, seq, draft_vocab]
-        if self.softcap:
-            teacher = torch.tanh(teacher / self.softcap) * self.softcap
+        teacher = final.new_empty(*final.shape[:2], self.weight.shape[0])  # [batch, seq, draft_vocab]
+        self._teacher_into(final, teacher)
         return aux, teacher
+
+    def _teacher_into(self, final: torch.Tensor, teacher: torch.Tensor) -> None:
+        """The target's logits on the draft vocabulary: final [batch, seq, H_t] -> teacher [batch, seq,
+        draft_vocab], written in place (bias and soft-capping included)."""
+        rows = teacher.view(-1, teacher.shape[-1])  # [batch*seq, draft_vocab]
+        final = final.reshape(-1, final.shape[-1])  # [batch*seq, H_t]
+        if self.bias is not None:
+            torch.addmm(self.bias, final, self.weight.t(), out=rows)
+        else:
+            torch.mm(final, self.weight.t(), out=rows)
+        if self.softcap:
+            rows.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def write_into(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux: torch.Tensor,
                    teacher: torch.Tensor) -> None:
@@ -122,7 +137,6 @@ class TargetCapture:
         written into the given tensors, with an explicit 4-D mask (no host synchronisation)."""
         B, S = input_ids.shape
         real = attention_mask.bool()  # [B, S]
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
         causal = torch.ones(S, S, dtype=torch.bool, device=real.device).tril()  # [S, S]
         eye = torch.eye(S, dtype=torch.bool, device=real.device)
         allowed = (causal & real[:, None, :]) | eye  # [B, S, S]: real keys up to each query, and itself
@@ -130,17 +144,12 @@ class TargetCapture:
         mask = torch.zeros(B, 1, S, S, dtype=dtype, device=real.device).masked_fill_(
             ~allowed[:, None], torch.finfo(dtype).min)  # [B, 1, S, S] additive
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-            torch.cat([self.aux_capture.states[j] for j in self.aux_layer_ids], dim=-1, out=aux)
+            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=_positions(attention_mask),
+                               use_cache=False)
+            self.aux_capture.concat(out=aux)
         finally:
             self.aux_capture.states.clear()
-        final = out.last_hidden_state.reshape(B * S, -1)  # [B*S, H_t], after the final norm
-        rows = teacher.view(B * S, -1)  # [B*S, draft_vocab]
-        torch.mm(final, self.weight.t(), out=rows)
-        if self.bias is not None:
-            rows.add_(self.bias)
-        if self.softcap:
-            rows.div_(self.softcap).tanh_().mul_(self.softcap)
+        self._teacher_into(out.last_hidden_state, teacher)
 
     def _replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Captured:
         key = (int(input_ids.shape[0]), int(input_ids.shape[1]))
