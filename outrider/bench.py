@@ -198,7 +198,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     passes back to back; tokens/s and speedups are then medians over the pairs, step costs and
     acceptance are pooled, and ``lossless`` must hold in every pass.
     """
-    from outrider.models import load_model, parse_dtype
+    from outrider.models import load_model
 
     require(k >= 1, f"--k must be >= 1, got {k}")
     require(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")

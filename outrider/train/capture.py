@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.nn import functional as F
 
 from outrider.kv_cache import capture_graph
 from outrider.models import AuxCapture, arch_info
