@@ -8,7 +8,11 @@ engine runs greedy EAGLE-3 device rounds once to capture its two graphs; then th
 (the pending step over k+1 verified positions, k-1 chain steps, k greedy draws) is replayed
 alone, the head cache's lengths restored after each replay, and timed with CUDA events. A
 profiler table of the draft graph's kernels (20 replays) is written per mode to
-``$OUT/draft-kernels-<mode>.txt``; the timings to ``$OUT/draft-probe.json``.
+``$OUT/draft-kernels-<mode>.txt``; the timings to ``$OUT/draft-probe.json``. With ``--verify``
+the same for the verification's side (``$OUT/verify-kernels-<mode>.txt``): the target's graph at
+width 1 as plain decoding runs it, at width k+1 with the aux states as a round runs it, and the
+round's verification graph (that step, the acceptance and the commit), to show what a
+verification costs beyond a decoding step.
 """
 
 from __future__ import annotations
@@ -23,12 +27,48 @@ from outrider.engine import SpecEngine
 from outrider.fsutil import atomic_write_json
 from outrider.proposers.eagle3 import Eagle3Proposer
 
+from outrider import kv_cache
 from step_probe import _timed, default_shape_model, random_head
 
 REPLAYS = 200
 
 
-def probe(model, head, mode: str, k: int, prompt: list[int], out_dir: Path) -> dict:
+def _kernel_table(fn, n: int) -> tuple[str, float]:
+    """Profiler table of ``n`` calls of ``fn`` and its CUDA kernels per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), kernels / n
+
+
+def verify_tables(model, head, mode: str, k: int, prompt: list[int], verify, out_dir: Path) -> dict:
+    """Replay times and kernel tables of the target at width 1 and k+1 and of the round's verification."""
+    lm = kv_cache.CachedLM(model, 1, 2048, aux_layer_ids=tuple(head.config.aux_layer_ids), graphs=True,
+                           compile=mode == "compiled")
+    ids = torch.tensor([prompt], device="cuda")  # [1, P]
+    lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
+    lm.commit(torch.ones_like(ids, dtype=torch.bool))
+    res, tables = {}, []
+    for n in (1, k + 1):
+        lm.forward(ids[:, :n])  # capture (and compile) this width
+        graph = lm._graphs[n][0]
+        res[f"target_width{n}_ms"] = _timed(graph.replay, REPLAYS)
+        table, kernels = _kernel_table(graph.replay, 20)
+        res[f"target_width{n}_kernels"] = kernels
+        tables.append(f"== target graph, width {n}\n{table}")
+    lm.close()
+    res["verify_round_ms"] = _timed(verify.replay, 8)  # the target cache advances k+1 slots a replay
+    table, res["verify_round_kernels"] = _kernel_table(verify.replay, 8)
+    tables.append(f"== the round's verification graph (k = {k})\n{table}")
+    (out_dir / f"verify-kernels-{mode}.txt").write_text("\n\n".join(tables))
+    print(f"  {mode} verification: " + ", ".join(f"{a} {b:.3f}" for a, b in res.items()), flush=True)
+    return res
+
+
+def probe(model, head, mode: str, k: int, prompt: list[int], out_dir: Path, with_verify: bool) -> dict:
     prop = Eagle3Proposer(head, model)
     eng = SpecEngine(model, prop, k=k, graphs=True, compile=mode == "compiled", rounds=8)
     t = time.perf_counter()
@@ -45,19 +85,16 @@ def probe(model, head, mode: str, k: int, prompt: list[int], out_dir: Path) -> d
     restore_ms = _timed(lambda: lengths.copy_(saved), REPLAYS)
     draft_ms = _timed(once, REPLAYS) - restore_ms
     verify_ms = _timed(verify.replay, 1)  # one replay: the target cache advances with each
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            once()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    table, kernels = _kernel_table(once, 20)
     (out_dir / f"draft-kernels-{mode}.txt").write_text(table)
-    kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
     res = {"draft_ms": draft_ms, "per_draft_token_ms": draft_ms / k, "verify_ms_one_replay": verify_ms,
-           "kernels_per_replay": kernels / 20 - 1, "build_s": round(build_s, 1),
+           "kernels_per_replay": kernels - 1, "build_s": round(build_s, 1),
            "head_cache_len": prop.cache.max_len}
     print(f"  {mode}: " + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in res.items()),
           flush=True)
     print(table[:6000], flush=True)
+    if with_verify:
+        res.update(verify_tables(model, head, mode, k, prompt, verify, out_dir))
     return res
 
 
@@ -67,6 +104,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--verify", action="store_true", help="also profile the verification's side")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +114,7 @@ def main() -> None:
     prompt = torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist()
     results = {"device": torch.cuda.get_device_name(), "k": args.k}
     for mode in args.modes.split(","):
-        results[mode] = probe(model, head, mode, args.k, prompt, out_dir)
+        results[mode] = probe(model, head, mode, args.k, prompt, out_dir, args.verify)
         atomic_write_json(out_dir / "draft-probe.json", results)
 
 
