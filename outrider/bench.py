@@ -173,6 +173,8 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
         "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
         "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
         "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
+        # the first draft of each request, from its prompt (included in propose_step_ms)
+        "prompt_draft_ms": 1e3 * sum(r.prompt_draft_s for r in results) / len(results),
         # the whole decode step, and all of it that is not the target's verify span (drafting,
         # feeding the outcome back): what a speculative step costs beyond its target forward
         "step_ms": 1e3 * sum(r.decode_s for r in results) / max(steps, 1),
@@ -276,6 +278,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "ar_step_ms": ar_m["step_ms"],
         "verify_step_ms": m["verify_step_ms"],
         "propose_step_ms": m["propose_step_ms"],
+        "prompt_draft_ms": m["prompt_draft_ms"],
         "draft_step_ms": m["draft_step_ms"],
         "step_ms": m["step_ms"],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -54,8 +54,9 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)  # [k] drafts accepted at position i
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    propose_s: float = 0.0
+    propose_s: float = 0.0  # every draft's span, the prompt's first one included
     verify_s: float = 0.0
+    prompt_draft_s: float = 0.0  # of propose_s: the first draft, from the prompt (its head step is prompt-wide)
 
     @property
     def new_tokens(self) -> int:
@@ -245,7 +246,9 @@ class SpecEngine:
             marks.mark("end")
             result.decode_s = self._clock() - t_dec
             spans = marks.totals()
-            result.propose_s, result.verify_s = spans.get("propose", 0.0), spans.get("verify", 0.0)
+            result.prompt_draft_s = spans.get("prompt_draft", 0.0)
+            result.propose_s = spans.get("propose", 0.0) + result.prompt_draft_s
+            result.verify_s = spans.get("verify", 0.0)
         finally:
             if not (self.graphs or self.compile):
                 target.close()
@@ -259,7 +262,7 @@ class SpecEngine:
         active = self._active_rows(alive, dev)
         if self.proposer is not None:
             if self._next is None:
-                marks.mark("propose")
+                marks.mark("prompt_draft" if result.steps == 0 else "propose")
                 draft = self.proposer.propose(self.k)
             else:  # launched at the end of the previous step
                 draft, self._next = self._next, None
