@@ -13,8 +13,10 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
 - ``eager-head``: ``compile_head = false`` (the head's step in eager kernels);
-- ``graphed-target``: ``graph_target = true`` (the target's forward replayed as a CUDA graph per
-  batch shape);
+- ``eager-target``: ``graph_target = false`` (the target's forward launched from Python, not
+  replayed as a CUDA graph per batch shape);
+- ``flex-attention``: ``ttt_attention = "flex"`` (the unrolled steps' attention in
+  ``flex_attention``, only the mask's non-empty blocks);
 - ``bsN``: the preset with ``batch_size = N``.
 
 The first variant of a process pays one-time costs on a GPU (its median came out at less than half
@@ -27,7 +29,7 @@ copies; the rest of the wall time the GPU waits for the host) and writes the ker
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
 ``--write-best F`` writes to F the ``full`` preset with the compile settings (``loss_kernel``,
-``compile_head``, ``graph_target``) of the fastest of the variants run (by median tokens/s), for a
+``compile_head``, ``graph_target``, ``ttt_attention``) of the fastest of the variants run (by median tokens/s), for a
 training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
@@ -60,8 +62,10 @@ def variant_config(name: str, steps: int) -> TrainConfig:
         return cfg.replace(compile=False)
     if name == "eager-head":
         return cfg.replace(compile_head=False)
-    if name == "graphed-target":
-        return cfg.replace(graph_target=True)
+    if name == "eager-target":
+        return cfg.replace(graph_target=False)
+    if name == "flex-attention":
+        return cfg.replace(ttt_attention="flex")
     if name.startswith("bs"):
         return cfg.replace(batch_size=int(name[2:]))
     if name != "full":
@@ -159,7 +163,7 @@ def main() -> None:
         best = max(results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
         cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_head=flags.compile_head,
-                                                 graph_target=flags.graph_target)
+                                                 graph_target=flags.graph_target, ttt_attention=flags.ttt_attention)
         cfg.save(a.write_best)
         results["best"] = {"variant": best["variant"], "config": a.write_best}
     if a.profile:

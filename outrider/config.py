@@ -67,6 +67,7 @@ class TrainConfig:
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
     batch_tokens: int = 0  # > 0: a micro-batch is this many padded tokens per process, not batch_size sequences
     graph_target: bool = False  # on CUDA, the target's forward replays a CUDA graph per batch shape (dense targets)
+    ttt_attention: str = "dense"  # on CUDA, the unrolled steps' attention: "dense" (SDPA, block mask) or "flex"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -108,6 +109,8 @@ class TrainConfig:
             raise UserError(f"training setting 'group_by_length' must be an integer >= 0, got {self.group_by_length!r}")
         if isinstance(self.batch_tokens, bool) or not isinstance(self.batch_tokens, int) or self.batch_tokens < 0:
             raise UserError(f"training setting 'batch_tokens' must be an integer >= 0, got {self.batch_tokens!r}")
+        if self.ttt_attention not in ("dense", "flex"):
+            raise UserError(f"training setting 'ttt_attention' must be 'dense' or 'flex', got {self.ttt_attention!r}")
         if self.loss_kernel not in ("triton", "compile"):
             raise UserError(f"training setting 'loss_kernel' must be 'triton' or 'compile', got {self.loss_kernel!r}")
         if self.eval_examples is not None and self.eval_examples < 1:

@@ -132,8 +132,9 @@ def cuda_training(tmp_path_factory):
 @pytest.mark.parametrize("flags", [{"compile": True, "loss_kernel": "triton"},
                                    {"compile": True, "loss_kernel": "compile"},
                                    {"compile_head": True},
-                                   {"graph_target": True}],
-                         ids=["triton-loss", "compiled-loss", "compiled-head", "graphed-target"])
+                                   {"graph_target": True},
+                                   {"compile_head": True, "ttt_attention": "flex"}],
+                         ids=["triton-loss", "compiled-loss", "compiled-head", "graphed-target", "flex-attention"])
 def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
     report, losses = cuda_training("-".join(f"{k}={v}" for k, v in flags.items()), **flags)
     _, eager = cuda_training("eager")

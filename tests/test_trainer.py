@@ -100,6 +100,8 @@ def test_config_round_trip_presets_and_errors(tmp_path):
         TrainConfig.preset("medium")
     with pytest.raises(UserError, match="loss_kernel"):
         CFG.replace(loss_kernel="cuda")
+    with pytest.raises(UserError, match="ttt_attention"):
+        CFG.replace(ttt_attention="sparse")
     # warmup then cosine down to min_lr_ratio
     c = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
     assert [round(lr_factor(s, c), 4) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]

@@ -164,6 +164,29 @@ def test_loss_matches_slow_reference():
         assert not (mapped.agree[i] & ~counted).any()
 
 
+def test_flex_attention_gives_the_dense_loss_on_right_padded_batches():
+    """``attention="flex"`` (forward only here: flex_attention has no backward on the CPU; the
+    GPU suite trains with it) against the slow reference, and its padding guard."""
+    head = _head(seed=4)
+    embed, aux, ids, loss_mask, teacher, real = _inputs(seed=5)
+    right = real.clone()
+    right[2] = 1  # rows 0 and 1 only: full, right-padded
+    loss_mask = loss_mask * right
+    steps, weights = 4, [0.8 ** i for i in range(4)]
+    with torch.no_grad():
+        got = ttt_loss(head, embed, aux, ids, loss_mask, teacher, right, steps=steps, attention="flex")
+        ref_total, ref_steps, ref_acc = reference(head, embed, aux, ids, loss_mask, teacher, right, steps, weights)
+        dense = ttt_loss(head, embed, aux, ids, loss_mask, teacher, right, steps=steps)
+    torch.testing.assert_close(got.loss, ref_total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.per_step_loss, ref_steps, atol=1e-5, rtol=1e-5)
+    assert got.per_step_correct.tolist() == dense.per_step_correct.tolist()
+    torch.testing.assert_close(got.per_step_acc, ref_acc.float(), atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError), torch.no_grad():  # row 2 left-padded: a real query would see padding
+        ttt_loss(head, embed, aux, ids, loss_mask, teacher, real, steps=steps, attention="flex")
+    with pytest.raises(ValueError, match="attention"):
+        ttt_loss(head, embed, aux, ids, loss_mask, teacher, right, steps=steps, attention="sparse")
+
+
 def test_walked_acceptance_length_decodes_each_span_round_by_round():
     ok = torch.zeros(3, 3, 12, dtype=torch.bool)  # [steps, batch, S]
     mask = torch.zeros(3, 12, dtype=torch.long)

@@ -174,11 +174,11 @@ class _Objective(nn.Module):
     """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
 
     def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool | str = False,
-                 compile_head: bool = False):
+                 compile_head: bool = False, attention: str = "dense"):
         super().__init__()
         self.head = head
         self._embedding = (embedding,)  # the target's, frozen; not a submodule (DDP must not see it)
-        self.ttt_steps, self.fused, self.compile_head = ttt_steps, fused, compile_head
+        self.ttt_steps, self.fused, self.compile_head, self.attention = ttt_steps, fused, compile_head, attention
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor, weights: Sequence[float],
@@ -187,7 +187,7 @@ class _Objective(nn.Module):
         # teacher: [batch, seq, draft_vocab]; index: ``counted_positions`` on the device, or None
         return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
                         steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused, index=index,
-                        compile_head=self.compile_head)
+                        compile_head=self.compile_head, attention=self.attention)
 
 
 class _Sums:
@@ -690,8 +690,9 @@ class _Trainer:
         if env.is_main:
             self._prepare_out()
         dist.barrier(env)
-        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused,
-                                         env.device.type == "cuda" and cfg.compile_head), env)
+        cuda = env.device.type == "cuda"
+        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused, cuda and cfg.compile_head,
+                                         cfg.ttt_attention if cuda else "dense"), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
         train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:

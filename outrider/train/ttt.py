@@ -38,10 +38,15 @@ to learn (``outrider.train.data``).
 ``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
 wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
 
+  With ``attention="flex"`` the same attention runs in ``flex_attention`` over a ``BlockMask``
+  whose ``mask_mod`` is ``kv < S ? kv <= q : kv % S == q``: only the blocks that hold a causal or
+  diagonal entry are computed (~S^2/2 + i*S*128 products at step i instead of (i+1)*S^2), GQA
+  without expanding the keys. It needs right padding (each row's real tokens first, as the
+  trainer's batches are): a real query then never reaches a padding key, and padding queries
+  count nowhere.
+
 Not done here: the target forward (``outrider.train.capture``), optimisation
-(``outrider.train.trainer``), tree-shaped unrolling. On GPU the dense block mask could be
-replaced by ``torch.nn.attention.flex_attention`` with a ``BlockMask`` whose ``mask_mod`` is
-``kv < S ? (kv <= q and real[kv]) : (kv % S == q)``, skipping the empty blocks.
+(``outrider.train.trainer``), tree-shaped unrolling.
 """
 
 from __future__ import annotations
@@ -99,6 +104,35 @@ def ttt_block_mask(real: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.cat([context] + [eye.expand(B, 1, S, S)] * (steps - 1), dim=-1)
 
 
+ATTENTIONS = ("dense", "flex")
+
+
+def _flex_mask_mod(S: torch.Tensor) -> Callable:
+    """``mask_mod`` of the TTT attention for sequences of ``S`` (a 0-d tensor: one compiled kernel
+    serves every length) over the keys ``[step-0 | step-1 | ...]``, each ``S`` long."""
+    def mask_mod(b, h, q, kv):
+        return torch.where(kv < S, kv <= q, kv % S == q)
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=256)
+def flex_block_masks(S: int, steps: int, device: torch.device) -> tuple:
+    """The ``BlockMask`` of each step ``i < steps`` (``S`` queries over ``(i+1)*S`` keys), cached per length."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mod = _flex_mask_mod(torch.tensor(S, device=device))
+    return tuple(create_block_mask(mod, None, None, S, (i + 1) * S, device=device) for i in range(steps))
+
+
+@functools.cache
+def _flex_attention(device_type: str) -> Callable:
+    """``flex_attention``, compiled on CUDA (its fused kernels: the eager one materialises the
+    scores, and has no backward on the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
 def step_weights(steps: int, decay: float = 0.8) -> list[float]:
     return [decay ** i for i in range(steps)]
 
@@ -130,7 +164,8 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
              attention_mask: torch.Tensor | None = None, steps: int = 7, decay: float = 0.8,
              weights: Sequence[float] | None = None, reduction: str = "mean", fused: bool | str = False,
              index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-             compile_head: bool | str | Callable = False, agree_map: bool = False) -> TTTOutput:
+             compile_head: bool | str | Callable = False, agree_map: bool = False,
+             attention: str = "dense") -> TTTOutput:
     """The TTT loss and metrics of one batch (see the module docstring for the alignment).
 
     head:           the EAGLE-3 head being trained
@@ -151,11 +186,15 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
                     (True = inductor, or a backend), dynamic in batch and length: one graph each
                     for every step and shape; the attention over the growing keys stays eager
     agree_map:      also return ``agree`` [steps, batch, S], for ``walked_accept_len``
+    attention:      "dense" (SDPA under the block mask) or "flex" (``flex_attention``, the mask's
+                    empty blocks skipped; right-padded batches only; no backward on the CPU)
 
     Metrics come back on the batch's device (no host round trip); ``per_step_tokens`` on the host.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
     B, S = input_ids.shape
     if aux.shape[:2] != (B, S) or teacher.shape != (B, S, head.config.draft_vocab_size):
         raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
@@ -177,7 +216,13 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     dtype = None if torch.is_autocast_enabled(device.type) else head.fc.weight.dtype
     with torch.no_grad():
         tokens = embed(input_ids).to(dtype)  # [B, S, H]
-    mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
+    if attention == "flex":
+        # right padding: no real token after a padding one (checked on the device, no host wait)
+        torch._assert_async((real[:, 1:] <= real[:, :-1]).all())
+        block_masks, flex = flex_block_masks(S, steps, device), _flex_attention(device.type)
+        mask = None
+    else:
+        mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
     kv = StepKV()
     hidden = head.fuse(aux.to(dtype))  # [B, S, H]
     flat_teacher = teacher.reshape(B * S, -1)  # [B*S, draft_vocab]
@@ -189,7 +234,13 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
         token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
         q, k, v = before(token_in, hidden, positions + i)  # = head.forward_hidden, in three parts
-        hidden = after(hidden, head.attend(q, k, v, mask[..., : (i + 1) * S], kv))
+        if mask is None:
+            keys, values = kv.update(k, v)  # [B, kv_heads, (i+1)*S, d]
+            out = flex(q, keys, values, block_mask=block_masks[i], enable_gqa=True)  # [B, heads, S, d]
+            attended = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, heads * d]
+        else:
+            attended = head.attend(q, k, v, mask[..., : (i + 1) * S], kv)
+        hidden = after(hidden, attended)
         b, t = index[i]  # [N_i] each
         ce, agree = loss_fn(head.compute_logits(hidden[b, t]), flat_teacher, b * S + t + shift)  # [N_i], [N_i]
         n = int(b.numel())
@@ -277,18 +328,18 @@ class TTTModule(torch.nn.Module):
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], steps: int = 7,
                  decay: float = 0.8, weights: Sequence[float] | None = None, reduction: str = "mean",
-                 fused: bool | str = False, compile_head: bool | str | Callable = False):
+                 fused: bool | str = False, compile_head: bool | str | Callable = False, attention: str = "dense"):
         super().__init__()
         self.head = head
         self._embed = (embed,)
         self.steps, self.decay, self.weights, self.reduction, self.fused = steps, decay, weights, reduction, fused
-        self.compile_head = compile_head
+        self.compile_head, self.attention = compile_head, attention
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> TTTOutput:
         return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
                         steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction,
-                        fused=self.fused, compile_head=self.compile_head)
+                        fused=self.fused, compile_head=self.compile_head, attention=self.attention)
 
 
 class Walk(NamedTuple):
