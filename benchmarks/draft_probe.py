@@ -9,10 +9,11 @@ engine runs greedy EAGLE-3 device rounds once to capture its two graphs; then th
 alone, the head cache's lengths restored after each replay, and timed with CUDA events. A
 profiler table of the draft graph's kernels (20 replays) is written per mode to
 ``$OUT/draft-kernels-<mode>.txt``; the timings to ``$OUT/draft-probe.json``. With ``--verify``
-the same for the verification's side (``$OUT/verify-kernels-<mode>.txt``): the target's graph at
-width 1 as plain decoding runs it, at width k+1 with the aux states as a round runs it, and the
-round's verification graph (that step, the acceptance and the commit), to show what a
-verification costs beyond a decoding step.
+also the round's verification graph (the target's step over k+1 tokens, the acceptance, the
+commit): replayed alone, then followed by the draft graph as the engine replays them, with the
+round's state restored after each (the draft's time after a verification against alone tells a
+GPU-side cost of the alternation from host-side gaps), and its kernel table
+(``$OUT/verify-kernels-<mode>.txt``). The target's step by width alone: ``step_probe.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from outrider.engine import SpecEngine
 from outrider.fsutil import atomic_write_json
 from outrider.proposers.eagle3 import Eagle3Proposer
 
-from outrider import kv_cache
 from step_probe import _timed, default_shape_model, random_head
 
 REPLAYS = 200
@@ -44,26 +44,32 @@ def _kernel_table(fn, n: int) -> tuple[str, float]:
     return events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), kernels / n
 
 
-def verify_tables(model, head, mode: str, k: int, prompt: list[int], verify, out_dir: Path) -> dict:
-    """Replay times and kernel tables of the target at width 1 and k+1 and of the round's verification."""
-    lm = kv_cache.CachedLM(model, 1, 2048, aux_layer_ids=tuple(head.config.aux_layer_ids), graphs=True,
-                           compile=mode == "compiled")
-    ids = torch.tensor([prompt], device="cuda")  # [1, P]
-    lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
-    lm.commit(torch.ones_like(ids, dtype=torch.bool))
-    res, tables = {}, []
-    for n in (1, k + 1):
-        lm.forward(ids[:, :n])  # capture (and compile) this width
-        graph = lm._graphs[n][0]
-        res[f"target_width{n}_ms"] = _timed(graph.replay, REPLAYS)
-        table, kernels = _kernel_table(graph.replay, 20)
-        res[f"target_width{n}_kernels"] = kernels
-        tables.append(f"== target graph, width {n}\n{table}")
-    lm.close()
-    res["verify_round_ms"] = _timed(verify.replay, 8)  # the target cache advances k+1 slots a replay
-    table, res["verify_round_kernels"] = _kernel_table(verify.replay, 8)
-    tables.append(f"== the round's verification graph (k = {k})\n{table}")
-    (out_dir / f"verify-kernels-{mode}.txt").write_text("\n\n".join(tables))
+def verify_tables(rounds, mode: str, k: int, out_dir: Path) -> dict:
+    """The verification graph alone and followed by the draft graph, the state restored after each."""
+    verify, draft = rounds._graphs
+    state = rounds._state()
+    saved = [t.clone() for t in state]
+
+    def restore():
+        for dst, src in zip(state, saved):
+            dst.copy_(src)
+
+    def alone():
+        verify.replay()
+        restore()
+
+    def paired():
+        verify.replay()
+        draft.replay()
+        restore()
+
+    restore_ms = _timed(restore, REPLAYS)
+    res = {"verify_round_ms": _timed(alone, REPLAYS) - restore_ms}
+    res["draft_after_verify_ms"] = _timed(paired, REPLAYS) - restore_ms - res["verify_round_ms"]
+    table, kernels = _kernel_table(alone, 8)
+    res["verify_round_kernels"] = kernels - len(state)
+    (out_dir / f"verify-kernels-{mode}.txt").write_text(f"== the round's verification graph (k = {k}), "
+                                                        f"{len(state)} restoring copies per replay\n{table}")
     print(f"  {mode} verification: " + ", ".join(f"{a} {b:.3f}" for a, b in res.items()), flush=True)
     return res
 
@@ -94,7 +100,7 @@ def probe(model, head, mode: str, k: int, prompt: list[int], out_dir: Path, with
           flush=True)
     print(table[:6000], flush=True)
     if with_verify:
-        res.update(verify_tables(model, head, mode, k, prompt, verify, out_dir))
+        res.update(verify_tables(eng._rounds_pool[(1, k)], mode, k, out_dir))
     return res
 
 
