@@ -17,6 +17,12 @@ to learn (``outrider.train.data``).
   position ``t`` only (its own earlier drafts). Implemented by concatenating the per-step keys
   and values ([step-0 | step-1 | ... | step-i], each ``S`` long) with one block mask
   ``[batch, 1, S, (i+1)*S]``: a causal block over the real context and ``i`` diagonal blocks.
+  With ``attention="flex"`` the same attention runs in ``flex_attention`` over a ``BlockMask``
+  whose ``mask_mod`` is ``kv < S ? kv <= q : kv % S == q``: only the blocks that hold a causal or
+  diagonal entry are computed (~S^2/2 + i*S*128 products at step i instead of (i+1)*S^2), GQA
+  without expanding the keys. It needs right padding (each row's real tokens first, as the
+  trainer's batches are): a real query then never reaches a padding key, and padding queries
+  count nowhere.
 - Loss: soft cross-entropy ``-sum_v p(v) log q(v)`` with ``p = softmax(teacher row)``, i.e. the
   target distribution restricted to the draft vocabulary and renormalised, and ``q`` the head's
   draft distribution. Position ``t`` counts at step ``i`` iff ``x_t`` is real and the predicted
@@ -37,13 +43,6 @@ to learn (``outrider.train.data``).
 
 ``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
 wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
-
-  With ``attention="flex"`` the same attention runs in ``flex_attention`` over a ``BlockMask``
-  whose ``mask_mod`` is ``kv < S ? kv <= q : kv % S == q``: only the blocks that hold a causal or
-  diagonal entry are computed (~S^2/2 + i*S*128 products at step i instead of (i+1)*S^2), GQA
-  without expanding the keys. It needs right padding (each row's real tokens first, as the
-  trainer's batches are): a real query then never reaches a padding key, and padding queries
-  count nowhere.
 
 Not done here: the target forward (``outrider.train.capture``), optimisation
 (``outrider.train.trainer``), tree-shaped unrolling.
