@@ -17,7 +17,9 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
   replayed as a CUDA graph per batch shape);
 - ``flex-attention``: ``ttt_attention = "flex"`` (the unrolled steps' attention in
   ``flex_attention``, only the mask's non-empty blocks);
-- ``bsN``: the preset with ``batch_size = N``.
+- ``bsN``: the preset with ``batch_size = N``;
+- ``tokN``: batches by a budget of ``N`` padded tokens (``batch_tokens = N``);
+- several joined by ``+`` (``flex-attention+tok16384``): all their changes.
 
 The first variant of a process pays one-time costs on a GPU (its median came out at less than half
 of the same variant's run second: allocator growth, kernel plans): list a throwaway variant
@@ -51,25 +53,30 @@ from outrider.train.data import build_dataset
 from outrider.train.trainer import train
 
 
+_CHANGES = {
+    "full": {},
+    "plain-batches": {"group_by_length": 0},
+    "compiled-loss": {"loss_kernel": "compile"},
+    "eager-loss": {"compile": False},
+    "eager-head": {"compile_head": False},
+    "eager-target": {"graph_target": False},
+    "flex-attention": {"ttt_attention": "flex"},
+}
+
+
 def variant_config(name: str, steps: int) -> TrainConfig:
+    """The ``full`` preset for ``steps`` steps with the changes each ``+``-joined part of ``name`` names."""
     cfg = TrainConfig.preset("full").replace(steps=steps, warmup_steps=1, eval_every=10 ** 6, save_every=10 ** 6,
                                              eval_examples=8, time_budget_s=0.0)
-    if name == "plain-batches":
-        return cfg.replace(group_by_length=0)
-    if name == "compiled-loss":
-        return cfg.replace(loss_kernel="compile")
-    if name == "eager-loss":
-        return cfg.replace(compile=False)
-    if name == "eager-head":
-        return cfg.replace(compile_head=False)
-    if name == "eager-target":
-        return cfg.replace(graph_target=False)
-    if name == "flex-attention":
-        return cfg.replace(ttt_attention="flex")
-    if name.startswith("bs"):
-        return cfg.replace(batch_size=int(name[2:]))
-    if name != "full":
-        raise SystemExit(f"unknown variant {name!r}")
+    for part in name.split("+"):
+        if part in _CHANGES:
+            cfg = cfg.replace(**_CHANGES[part])
+        elif part[:2] == "bs" and part[2:].isdigit():
+            cfg = cfg.replace(batch_size=int(part[2:]))
+        elif part[:3] == "tok" and part[3:].isdigit():
+            cfg = cfg.replace(batch_tokens=int(part[3:]))
+        else:
+            raise SystemExit(f"unknown variant {part!r} in {name!r}: use {', '.join(_CHANGES)}, bsN, tokN")
     return cfg
 
 
