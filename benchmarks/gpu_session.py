@@ -290,7 +290,8 @@ def train_bench(a) -> None:
                     results["records"].append(r)
                     return {x: r[x] for x in ("compiled", "tau", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
                                               "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",
-                                              "greedy_agreement")}
+                                              "propose_step_ms", "prompt_draft_ms", "prefill_ms", "ar_prefill_ms",
+                                              "decode_speedup_vs_ar", "greedy_agreement")}
                 _stage(results, f"{pass_name}_{method}_b{batch}_k{k}", path, one)
     if a.hf_static:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]

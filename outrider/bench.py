@@ -182,7 +182,7 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
         "decode_tokens_per_s": sum(r.new_tokens - len(r.tokens) for r in results)
         / max(sum(r.decode_s for r in results), 1e-12),
         "draft_step_ms": 1e3 * sum(r.decode_s - r.verify_s for r in results) / max(steps, 1),
-        "prefill_s": sum(r.prefill_s for r in results),
+        "prefill_ms": 1e3 * sum(r.prefill_s for r in results) / len(results),  # per generate call
     }
 
 
@@ -279,6 +279,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "verify_step_ms": m["verify_step_ms"],
         "propose_step_ms": m["propose_step_ms"],
         "prompt_draft_ms": m["prompt_draft_ms"],
+        "prefill_ms": m["prefill_ms"],
+        "ar_prefill_ms": ar_m["prefill_ms"],
         "draft_step_ms": m["draft_step_ms"],
         "step_ms": m["step_ms"],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

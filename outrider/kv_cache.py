@@ -267,6 +267,25 @@ def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
 
 
+def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                  logits_at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward over given positions and mask (prompts, ragged blocks): (logits, aux)."""
+    extra = {lm._cache_kw: lm.cache}
+    if logits_at is not None:
+        extra["logits_to_keep"] = logits_at
+    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+    aux = lm.capture.concat() if lm.capture is not None else None
+    return out.logits, aux  # [batch, n or m, vocab], [batch, n, len(ids) * hidden] or None
+
+
+@functools.cache
+def _compiled_prefill(backend: str):
+    """``_prefill_step`` compiled once per process and backend, dynamic in every size from the start
+    (prompt lengths vary from call to call): an eager prefill launches each of the model's few
+    hundred small kernels from Python (~40 ms per prompt of the default model on an H200)."""
+    return compiled(_prefill_step, backend, dynamic=True)
+
+
 @functools.cache
 def _compiled_step(backend: str):
     """``_plain_step`` compiled once per process and backend, shared by every ``CachedLM``.
@@ -287,9 +306,10 @@ def backend_of(compile: bool | str) -> str | None:
     return (compile if isinstance(compile, str) else "inductor") if compile else None
 
 
-def compiled(fn: Callable, backend: str) -> Callable:
+def compiled(fn: Callable, backend: str, dynamic: bool | None = None) -> Callable:
     """``fn`` compiled by ``torch.compile`` with ``backend``; shapes become dynamic after their
-    first change, and the recompilation limit is raised for the widths and batch sizes we use.
+    first change (``dynamic=True``: from the start), and the recompilation limit is raised for the
+    widths and batch sizes we use.
 
     For inference only: with inductor and ``FREEZE_WEIGHTS`` the weights are frozen into the
     compiled code, which lets inductor fold the projections that read one input into one matrix
@@ -303,7 +323,7 @@ def compiled(fn: Callable, backend: str) -> Callable:
     import torch._inductor.config
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    step = torch.compile(fn, backend=backend, dynamic=None, fullgraph=False)
+    step = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
     if backend != "inductor" or not FREEZE_WEIGHTS:
         return step
 
@@ -327,11 +347,14 @@ class CachedLM:
     ``forward(ids, positions, query_valid, new_mask)`` runs the model over ``n`` new tokens per
     row and returns logits ``[batch, n, vocab]``; when ``aux_layer_ids`` were given, ``self.aux``
     holds the captured hidden states ``[batch, n, len(ids) * hidden]`` of the same forward.
+    With ``compile`` the plain step is compiled (and captured per width with ``graphs``); so is
+    the forward over given positions and masks (prompts) when ``compile_prefill`` (default: on
+    CUDA), once, dynamic in its sizes.
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
                  aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False,
-                 compile: bool | str = False, attention: str = "slots"):
+                 compile: bool | str = False, attention: str = "slots", compile_prefill: bool | None = None):
         if attention not in ("slots", "model"):
             raise ValueError(f"attention must be 'slots' or 'model', got {attention!r}")
         self.model = model
@@ -351,6 +374,11 @@ class CachedLM:
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
         self.compile_backend = backend_of(compile)  # of the plain step; None: eager
         self._step_fn = _plain_step if self.compile_backend is None else _compiled_step(self.compile_backend)
+        # the other forwards (prompts, ragged blocks) compiled too where launches dominate: on CUDA by default
+        if compile_prefill is None:
+            compile_prefill = self.device.type == "cuda"
+        fused_prefill = self.compile_backend is not None and compile_prefill
+        self._prefill_fn = _compiled_prefill(self.compile_backend) if fused_prefill else _prefill_step
 
     def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plain step over reserved slots, eager or compiled: (logits, aux)."""
@@ -390,15 +418,9 @@ class CachedLM:
         if new_mask is None:
             new_mask = causal_mask(n, ids.device)
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
-        extra = {self._cache_kw: self.cache}
-        if logits_at is not None:
-            extra["logits_to_keep"] = logits_at
         with self._hooks():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0),
-                             use_cache=True, **extra)
-        if self.capture is not None:
-            self.aux = self.capture.concat()
-        return out.logits  # [batch, n or m, vocab]
+            logits, self.aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask, logits_at)
+        return logits  # [batch, n or m, vocab]
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""

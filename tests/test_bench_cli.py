@@ -29,6 +29,7 @@ def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir,
     assert len(record["accept_rate_per_pos"]) == 3 and record["tau"] >= 1.0
     assert record["step_ms"] >= record["verify_step_ms"] > 0 and record["draft_step_ms"] >= 0
     assert record["prompt_draft_ms"] > 0  # each request's first draft, from its prompt, timed on its own
+    assert record["prefill_ms"] > 0 and record["ar_prefill_ms"] > 0
     assert record["decode_speedup_vs_ar"] > 0 and record["repeats"] == 2 and len(record["speedup_per_pass"]) == 2
     assert record["speedup_vs_ar"] == pytest.approx(sum(record["speedup_per_pass"]) / 2)  # median of two
     assert 0.0 <= record["repeated_4grams"] <= 1.0

@@ -103,6 +103,37 @@ def test_inductor_step_with_frozen_weights_equals_transformers(tiny_kind, tiny_m
     assert engine.generate(_prompts(), MAX_NEW).tokens == refs(tiny_kind)
 
 
+def test_compiled_prefill_equals_the_eager_one(tiny_models):
+    """``compile_prefill``: prompts of two lengths (one compilation, dynamic in its sizes) give the
+    eager forward's logits and aux states, and the steps after them the same logits."""
+    from torch._dynamo.utils import counters
+
+    from outrider.kv_cache import CachedLM
+
+    model = tiny_models("llama")
+    graphs = []
+    for P in (7, 12):
+        ids = torch.randint(3, 90, (2, P), generator=torch.Generator().manual_seed(P))
+        valid = torch.ones(2, P, dtype=torch.bool)
+        valid[1, P - 3:] = False  # a shorter second prompt
+        out = []
+        for fused in (False, True):
+            lm = CachedLM(model, 2, 64, aux_layer_ids=(0, 1, 3), read_len="max", compile="inductor",
+                          compile_prefill=fused)
+            before = counters["stats"]["unique_graphs"]
+            logits = lm.forward(ids, query_valid=valid, logits_at=torch.tensor([P - 4, P - 1]))
+            aux = lm.aux
+            if fused and P == 7:
+                assert counters["stats"]["unique_graphs"] > before  # the prompt's forward was compiled
+            lm.commit(valid)
+            out.append((logits, aux[valid], lm.forward(torch.full((2, 2), 9))))
+            lm.close()
+        for got, want in zip(out[1], out[0]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]  # the second prompt length compiled nothing new
+
+
 _FOLD_SCRIPT = """
 import json, re, torch, torch._inductor.config
 from torch._inductor.utils import run_and_get_code
