@@ -255,18 +255,6 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
-    B, n = ids.shape  # ids: [batch, n]
-    positions = lm.cache.lengths[:, None] + lm.cache._arange[:n]  # [batch, n]
-    query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
-    mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device), lm.dtype)
-    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{lm._cache_kw: lm.cache})
-    aux = lm.capture.concat() if lm.capture is not None else None
-    return out.logits, aux  # [batch, n, vocab], [batch, n, len(ids) * hidden] or None
-
-
 def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                   logits_at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A forward over given positions and mask (prompts, ragged blocks): (logits, aux)."""
@@ -276,6 +264,15 @@ def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, ma
     out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
     aux = lm.capture.concat() if lm.capture is not None else None
     return out.logits, aux  # [batch, n or m, vocab], [batch, n, len(ids) * hidden] or None
+
+
+def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
+    B, n = ids.shape  # ids: [batch, n]
+    positions = lm.cache.lengths[:, None] + lm.cache._arange[:n]  # [batch, n]
+    query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
+    mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device), lm.dtype)
+    return _prefill_step(lm, ids, positions, mask, None)  # [batch, n, vocab], aux
 
 
 @functools.cache
