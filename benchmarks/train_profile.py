@@ -30,8 +30,8 @@ checkpoint): it reports the wall time per step, the GPU's busy time per step (ke
 copies; the rest of the wall time the GPU waits for the host) and writes the kernels ranked by
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
-``--write-best F`` writes to F the ``full`` preset with the compile settings (``loss_kernel``,
-``compile_head``, ``graph_target``, ``ttt_attention``) of the fastest of the variants run (by median tokens/s), for a
+``--write-best F`` writes to F the ``full`` preset with the settings the variants change
+(kernels, batching) of the fastest of the variants run (by median tokens/s), for a
 training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
@@ -169,8 +169,9 @@ def main() -> None:
     if a.write_best and results["variants"]:
         best = max(results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
-        cfg = TrainConfig.preset("full").replace(loss_kernel=flags.loss_kernel, compile_head=flags.compile_head,
-                                                 graph_target=flags.graph_target, ttt_attention=flags.ttt_attention)
+        kept = ("loss_kernel", "compile_head", "graph_target", "ttt_attention", "compile", "group_by_length",
+                "batch_size", "batch_tokens")
+        cfg = TrainConfig.preset("full").replace(**{key: getattr(flags, key) for key in kept})
         cfg.save(a.write_best)
         results["best"] = {"variant": best["variant"], "config": a.write_best}
     if a.profile:

@@ -173,7 +173,7 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
         "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
         "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
         "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
-        # the first draft of each request, from its prompt (included in propose_step_ms)
+        # per generate call (a batch): its first draft, from the prompts (included in propose_step_ms)
         "prompt_draft_ms": 1e3 * sum(r.prompt_draft_s for r in results) / len(results),
         # the whole decode step, and all of it that is not the target's verify span (drafting,
         # feeding the outcome back): what a speculative step costs beyond its target forward

@@ -279,7 +279,9 @@ def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _compiled_prefill(backend: str):
     """``_prefill_step`` compiled once per process and backend, dynamic in every size from the start
     (prompt lengths vary from call to call): an eager prefill launches each of the model's few
-    hundred small kernels from Python (~40 ms per prompt of the default model on an H200)."""
+    hundred small kernels from Python (~40 ms per prompt of the default model on an H200). With
+    ``FREEZE_WEIGHTS`` each compiled variant holds its own folded projections (with and without
+    aux capture, say): a target whose weights barely fit sets ``compile_prefill=False``."""
     return compiled(_prefill_step, backend, dynamic=True)
 
 

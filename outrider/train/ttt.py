@@ -125,11 +125,13 @@ def flex_block_masks(S: int, steps: int, device: torch.device) -> tuple:
 
 @functools.cache
 def _flex_attention(device_type: str) -> Callable:
-    """``flex_attention``, compiled on CUDA (its fused kernels: the eager one materialises the
-    scores, and has no backward on the CPU)."""
+    """``flex_attention``, compiled on CUDA, dynamic in its sizes from the start (a handful of graphs
+    for every batch shape instead of one per length, far from the recompilation limit past which
+    dynamo would fall back to the eager one, which materialises the scores and has no backward
+    on the CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
 
 
 def step_weights(steps: int, decay: float = 0.8) -> list[float]:
