@@ -63,9 +63,17 @@ def graphable(target: torch.nn.Module) -> bool:
             and not getattr(cfg, "attention_chunk_size", None))
 
 
-def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids counted over the real tokens: [batch, seq] (padding either side)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def context_mask(real: torch.Tensor) -> torch.Tensor:
+    """Boolean mask ``[batch, 1, S, S]`` (True = may attend): each query sees the real keys up to
+    it and itself, so no row is empty. real: [batch, S] bool."""
+    S = real.shape[1]
+    eye = torch.eye(S, dtype=torch.bool, device=real.device)
+    return (eye | (torch.ones_like(eye).tril() & real[:, None, :]))[:, None]
 
 
 class TargetCapture:
@@ -103,7 +111,7 @@ class TargetCapture:
         if self.graphs and input_ids.numel() <= self.max_tokens:
             return self._replay(input_ids, attention_mask)
         try:
-            aux, teacher = self._forward(input_ids, attention_mask, _positions(attention_mask))
+            aux, teacher = self._forward(input_ids, attention_mask, real_positions(attention_mask))
         finally:
             self.aux_capture.states.clear()
         return Captured(aux=aux, teacher=teacher)
@@ -135,15 +143,11 @@ class TargetCapture:
         """The forward a graph records: aux [batch, seq, 3*H_t] and teacher [batch, seq, draft_vocab]
         written into the given tensors, with an explicit 4-D mask (no host synchronisation)."""
         B, S = input_ids.shape
-        real = attention_mask.bool()  # [B, S]
-        causal = torch.ones(S, S, dtype=torch.bool, device=real.device).tril()  # [S, S]
-        eye = torch.eye(S, dtype=torch.bool, device=real.device)
-        allowed = (causal & real[:, None, :]) | eye  # [B, S, S]: real keys up to each query, and itself
         dtype = self.weight.dtype
-        mask = torch.zeros(B, 1, S, S, dtype=dtype, device=real.device).masked_fill_(
-            ~allowed[:, None], torch.finfo(dtype).min)  # [B, 1, S, S] additive
+        mask = torch.zeros(B, 1, S, S, dtype=dtype, device=input_ids.device).masked_fill_(
+            ~context_mask(attention_mask.bool()), torch.finfo(dtype).min)  # [B, 1, S, S] additive
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=_positions(attention_mask),
+            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=real_positions(attention_mask),
                                use_cache=False)
             self.aux_capture.concat(out=aux)
         finally:

@@ -59,6 +59,7 @@ import torch
 from torch.nn import functional as F
 
 from outrider.head import Eagle3Head
+from outrider.train.capture import context_mask, real_positions
 
 
 @dataclass
@@ -99,8 +100,7 @@ def ttt_block_mask(real: torch.Tensor, steps: int) -> torch.Tensor:
     """
     B, S = real.shape
     eye = torch.eye(S, dtype=torch.bool, device=real.device)
-    context = (eye | (torch.ones_like(eye).tril() & real[:, None, :]))[:, None]  # [B, 1, S, S]
-    return torch.cat([context] + [eye.expand(B, 1, S, S)] * (steps - 1), dim=-1)
+    return torch.cat([context_mask(real)] + [eye.expand(B, 1, S, S)] * (steps - 1), dim=-1)
 
 
 ATTENTIONS = ("dense", "flex")
@@ -211,7 +211,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         index = counted_positions(loss_mask, real, steps)
     if len(index) != steps:
         raise ValueError(f"{len(index)} position sets for {steps} steps")
-    positions = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
+    positions = real_positions(real)  # [B, S]
 
     # a bf16 target may feed a float32 head: cast, unless autocast runs the head in the target's dtype
     dtype = None if torch.is_autocast_enabled(device.type) else head.fc.weight.dtype
