@@ -1,0 +1,103 @@
+"""Stage what a device session needs, here, in git-ignored folders that each fit one call's carry.
+
+    python benchmarks/device_prep.py [--first 11000] [--later 12000] [--prompts 10]
+
+The lent machine starts bare (no network, no model hub) and takes at most 64 MiB of working tree
+per call; the default model's GGUF (98 MB) therefore travels in two calls. Writes:
+
+- ``.dev/b1``: the GGUF's first 60 MB and ``prompts-heldout.json`` (the held-out split's first user
+  turns, the benchmark prompts); ``.whl``: the wheels the machine lacks (``gguf``, ``pytest``).
+- ``.dev/b2``: the rest of the GGUF and ``first-exchanges.json.gz`` (the first user turn and reply
+  of training-split conversations, as the demo builds them).
+- ``.dev/b3``: ``later-exchanges.json.gz``: second exchanges with the first one as context (both
+  replies are regenerated), then single exchanges of conversation parts that open with a reply.
+- ``.dev/commit``: the commit the calls run (``OUTRIDER_COMMIT`` on the device).
+
+The calls, in order (scripts of ``benchmarks/device/``; each one's header says what it does):
+
+1. ``bash benchmarks/device/stage.sh``, carry ``.dev/b1 .whl .dev/commit``;
+2. within 30 s: ``bash benchmarks/device/model.sh && bash benchmarks/device/data.sh``, carry
+   ``.dev/b2 .dev/b3 .dev/commit`` (~62 MiB with the checkout);
+3. ``BUDGET=450 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
+
+A machine left idle for 30 s is taken back with everything under /tmp, and a reply to a long
+call can take longer than that: the data and the head come back under ``$OUT`` (``data-all.tgz``,
+``head.tar.*``), to be carried again after a fresh ``stage.sh`` and ``model.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+from pathlib import Path
+
+from outrider import assets
+from outrider.demo import _first_exchanges
+from outrider.fsutil import atomic_write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ("gguf", "pytest", "pluggy", "iniconfig")
+PART = 60_000_000  # bytes of the GGUF in the first call: the rest, with the data, fits the second
+
+
+def later_exchanges(sharegpt, limit: int) -> list[dict]:
+    """Training-split exchanges after the first: turns 1-4 of conversations that have them, then the
+    first exchange of conversation parts that open with a reply (their earlier turns are elsewhere)."""
+    out = []
+    for conv in sharegpt.conversations:
+        turns = conv.get("conversations") or []
+        who = [t.get("from") for t in turns]
+        if assets.heldout(conv["id"]):
+            continue
+        if who[:4] == ["human", "gpt", "human", "gpt"]:
+            out.append({"id": conv["id"] + "#2", "conversations": turns[:4]})
+        elif who[:1] == ["gpt"] and "human" in who:
+            i = who.index("human")
+            if who[i + 1:i + 2] == ["gpt"]:
+                out.append({"id": conv["id"] + "#p", "conversations": turns[i:i + 2]})
+    return out[:limit]
+
+
+def _gz(path: Path, records) -> None:
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        json.dump(records, f)
+    tmp.replace(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--first", type=int, default=11000, help="first exchanges")
+    ap.add_argument("--later", type=int, default=12000, help="later exchanges")
+    ap.add_argument("--prompts", type=int, default=10, help="held-out benchmark prompts")
+    a = ap.parse_args()
+    dev = ROOT / ".dev"
+    b1, b2, b3, whl = dev / "b1", dev / "b2", dev / "b3", ROOT / ".whl"
+    for d in (b1, b2, b3, whl):
+        d.mkdir(parents=True, exist_ok=True)
+    gguf = assets.default_gguf_path()
+    data = gguf.read_bytes()
+    (b1 / "gguf.part00").write_bytes(data[:PART])
+    (b2 / "gguf.part01").write_bytes(data[PART:])
+    sharegpt = assets.load_sharegpt()
+    prompts = assets.first_user_turns(sharegpt, heldout_only=True, limit=a.prompts)
+    atomic_write_json(b1 / "prompts-heldout.json", prompts)
+    first = _first_exchanges(sharegpt, a.first, dev / "first-exchanges.json")
+    _gz(b2 / "first-exchanges.json.gz", json.loads(first.read_text()))
+    first.unlink()
+    later = later_exchanges(sharegpt, a.later)
+    _gz(b3 / "later-exchanges.json.gz", later)
+    subprocess.run(["python3", "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    (dev / "commit").write_text(commit.stdout.strip() or "unknown")
+    for d in (b1, b2, b3, whl):
+        size = sum(f.stat().st_size for f in d.iterdir())
+        print(f"{d.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
+    print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later exchanges; "
+          f"commit {(dev / 'commit').read_text()}")
+
+
+if __name__ == "__main__":
+    main()
