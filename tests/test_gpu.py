@@ -167,3 +167,29 @@ def test_graphed_capture_equals_the_eager_capture(tiny_kind, cuda_models):
     finally:
         eager.close()
         graphed.close()
+
+
+@pytest.mark.parametrize("S", [200, 320])  # block masks of 128: a partial block, and steps across block edges
+def test_flex_ttt_attention_gives_the_dense_gradients(S):
+    """The flex TTT attention's backward (which has no CPU kernel) against the dense one's, at lengths
+    whose steps straddle flex's 128-wide blocks, right-padded rows, all seven steps."""
+    from test_ttt import _head as _ttt_head, _inputs
+    from outrider.train.ttt import ttt_loss
+
+    embed, aux, ids, loss_mask, teacher, real = _inputs(B=3, S=S, seed=7)
+    right = torch.ones_like(real)
+    right[1, S - 37:] = 0
+    right[2, S // 2:] = 0
+    loss_mask = loss_mask * right
+    results = {}
+    for attention in ("dense", "flex"):
+        head = _ttt_head(seed=4).to("cuda")
+        out = ttt_loss(head, embed.to("cuda"), aux.to("cuda"), ids.to("cuda"), loss_mask.to("cuda"),
+                       teacher.to("cuda"), right.to("cuda"), steps=7, attention=attention)
+        out.loss.backward()
+        results[attention] = out.loss.detach(), {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
+    (dense_loss, dense_grads), (flex_loss, flex_grads) = results["dense"], results["flex"]
+    torch.testing.assert_close(flex_loss, dense_loss, atol=1e-5, rtol=1e-5)
+    assert flex_grads.keys() == dense_grads.keys() and len(dense_grads) > 5
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
