@@ -34,6 +34,14 @@ from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
 
 
+def _dtype(a) -> str:
+    return "bfloat16" if a.device == "cuda" else "float32"
+
+
+def _device_name(a) -> str:
+    return torch.cuda.get_device_name(0) if a.device == "cuda" else a.device
+
+
 def _stage(results: dict, name: str, path: Path, fn) -> None:
     t = time.perf_counter()
     try:
@@ -157,7 +165,7 @@ def _regenerate(a, model, eos) -> dict:
 def data_phase(a) -> None:
     from outrider.train.data import merge_datasets
 
-    model, tok = load_model("default", device="cuda", dtype="bfloat16")
+    model, tok = load_model("default", device=a.device, dtype=_dtype(a))
     results: dict = {}
     _stage(results, "data", Path(a.out) / "data.json", lambda: _regenerate(a, model, eos_token_ids(model, tok)))
     if a.merge_base:
@@ -254,8 +262,8 @@ def train_bench(a) -> None:
     from outrider.train.trainer import train
 
     path = Path(a.out) / "train_bench.json"
-    results: dict = {"device": torch.cuda.get_device_name(0)}
-    model, tok = load_model("default", device="cuda", dtype="bfloat16")
+    results: dict = {"device": _device_name(a)}
+    model, tok = load_model("default", device=a.device, dtype=_dtype(a))
     eos = eos_token_ids(model, tok)
     head_dir = a.head or f"{a.work}/train/head"
     if not a.head:
@@ -341,7 +349,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="train-bench: (AR, method) pass pairs per row")
     ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "
                     "compiled generate")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="data, train-bench: 'cpu' (float32) for a dry run of a device session's scripts")
     a = ap.parse_args()
+    if a.device == "cpu" and a.phase == "speed":
+        raise SystemExit("the speed phase times CUDA graphs: it runs on cuda only")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     {"speed": speed, "data": data_phase, "train-bench": train_bench}[a.phase](a)
 

@@ -216,9 +216,6 @@ class SpecEngine:
                 ids[b, :len(p)] = torch.tensor([int(t) for t in p], device=dev)
             valid = torch.arange(P, device=dev)[None, :] < plens[:, None]  # [batch, P]
             ends, which = torch.unique(plens - 1, return_inverse=True)  # last prompt index per row
-            # at least two: a compiled prefill specialises a size of 1, and recompiling between calls
-            # that have one distinct prompt length and calls that have several would land in timed runs
-            ends = ends.repeat(2) if len(ends) == 1 else ends
             logits = target.forward(ids, query_valid=valid, logits_at=ends)  # [batch, len(ends), vocab]
             target.commit(valid)
             rows = torch.arange(B, device=dev)

@@ -417,9 +417,13 @@ class CachedLM:
         if new_mask is None:
             new_mask = causal_mask(n, ids.device)
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
+        # one index asked twice: a compiled prefill specialises a size of 1, and recompiling between
+        # calls that ask one row and calls that ask several would land in timed runs
+        one = logits_at is not None and logits_at.numel() == 1
         with self._hooks():
-            logits, self.aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask, logits_at)
-        return logits  # [batch, n or m, vocab]
+            logits, self.aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask,
+                                                logits_at.repeat(2) if one else logits_at)
+        return logits[:, :1] if one else logits  # [batch, n or m, vocab]
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""

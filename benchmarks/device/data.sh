@@ -2,10 +2,10 @@
 # comes back as $OUT/data.tgz (or data-all.tgz, merged), so that a released machine loses nothing.
 . benchmarks/device/env.sh
 python3 benchmarks/gpu_session.py data --out $OUT --dataset /tmp/src/first-exchanges.json \
-    --conversations ${FIRST:-11000} --data-out /tmp/run/data --pack || exit 1
+    --conversations ${FIRST:-11000} --data-out /tmp/run/data --pack --device $DEV || exit 1
 if [ -f /tmp/src/later-exchanges.json ]; then
     mkdir -p $OUT/later
     python3 benchmarks/gpu_session.py data --out $OUT/later --dataset /tmp/src/later-exchanges.json \
         --conversations ${LATER:-12000} --data-out /tmp/run/data2 --merge-base /tmp/run/data \
-        --merged /tmp/run/data-all --pack || exit 1
+        --merged /tmp/run/data-all --pack --device $DEV || exit 1
 fi

@@ -6,3 +6,4 @@ fi
 export PYTHONPATH=/tmp/site:.:benchmarks OUTRIDER_HOME=/tmp/oh
 export OUTRIDER_COMMIT=$(cat .dev/commit 2>/dev/null || echo unknown)
 mkdir -p /tmp/src /tmp/run
+DEV=${DEV:-cuda}  # DEV=cpu: a dry run of the scripts on a machine without a GPU (float32, slow)

@@ -4,4 +4,4 @@
 . benchmarks/device/env.sh
 echo "{\"time_budget_s\": ${BUDGET:-450}${SETTINGS:+, $SETTINGS}}" > $OUT/config.json && cat $OUT/config.json
 python3 benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/${DATA:-data-all} --work /tmp/run \
-    --config $OUT/config.json --ks "" --pack-head ${INIT:+--init $INIT}
+    --config $OUT/config.json --ks "" --pack-head ${INIT:+--init $INIT} --device $DEV
