@@ -190,7 +190,9 @@ PRESETS: dict[str, TrainConfig] = {
     # rate the head is short of updates, not of tokens per update. (Starting lm_head from the
     # target's did worse early on in a CPU trial.) The target's forward replays a CUDA graph per
     # batch shape (``graph_target``; eager for targets it does not fit): in the tenth session the
-    # median step went from 181k to 190k tokens/s, MFU 20.4 %.
+    # median step went from 181k to 190k tokens/s, MFU 20.4 %. A budget of 16k padded tokens with
+    # the flex attention (eleventh session) made ~14k-token steps that ran slower per token (median
+    # 18.1 %, 16.9 % over the steady steps against 18.5 %) and a worse head: both stay options.
     "full": TrainConfig(
         steps=6000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=500, eval_examples=256, save_every=500,
