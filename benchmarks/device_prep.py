@@ -11,7 +11,7 @@ per call; the default model's GGUF (98 MB) therefore travels in two calls. Write
   of training-split conversations, as the demo builds them).
 - ``.dev/b3``: ``later-exchanges.json.gz``: second exchanges with the first one as context (both
   replies are regenerated), then single exchanges of conversation parts that open with a reply.
-- ``.dev/commit``: the commit the calls run (``OUTRIDER_COMMIT`` on the device).
+- ``.dev/commit``: the commit the calls run (``OUTRIDER_COMMIT`` on the device): run this after the last commit.
 
 The calls, in order (scripts of ``benchmarks/device/``; each one's header says what it does):
 
@@ -34,6 +34,7 @@ import argparse
 import gzip
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from outrider import assets
@@ -92,7 +93,7 @@ def main() -> None:
     first.unlink()
     later = later_exchanges(sharegpt, a.later)
     _gz(b3 / "later-exchanges.json.gz", later)
-    subprocess.run(["python3", "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     (dev / "commit").write_text(commit.stdout.strip() or "unknown")
     for d in (b1, b2, b3, whl):
