@@ -324,8 +324,8 @@ def main():
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--dataset", default=None, help="speed phase: regenerate this conversation file")
     ap.add_argument("--data-out", default="/tmp/run/data")
-    ap.add_argument("--pack", action="store_true", help="data: the data folder (the merged one with --merge-base) comes back as "
-                    "$OUT/<name>.tgz")
+    ap.add_argument("--pack", action="store_true",
+                    help="data: the data folder (the merged one with --merge-base) comes back as $OUT/<name>.tgz")
     ap.add_argument("--merge-base", default=None, help="data: a dataset to merge the new one after (into --merged)")
     ap.add_argument("--merged", default="/tmp/run/data-all")
     ap.add_argument("--conversations", type=int, default=8000)
