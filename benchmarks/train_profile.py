@@ -19,6 +19,8 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
   ``flex_attention``, only the mask's non-empty blocks);
 - ``bsN``: the preset with ``batch_size = N``;
 - ``tokN``: batches by a budget of ``N`` padded tokens (``batch_tokens = N``);
+- ``minlenN``: the preset on the examples of at least ``N`` tokens only (a subset of the data
+  written once under ``--work``): steps of long sequences, where the attention weighs most;
 - several joined by ``+`` (``flex-attention+tok16384``): all their changes.
 
 The first variant of a process pays one-time costs on a GPU (its median came out at less than half
@@ -75,12 +77,28 @@ def variant_config(name: str, steps: int) -> TrainConfig:
             cfg = cfg.replace(batch_size=int(part[2:]))
         elif part[:3] == "tok" and part[3:].isdigit():
             cfg = cfg.replace(batch_tokens=int(part[3:]))
+        elif part[:6] == "minlen" and part[6:].isdigit():
+            pass  # the data, not the config: see variant_data
         else:
-            raise SystemExit(f"unknown variant {part!r} in {name!r}: use {', '.join(_CHANGES)}, bsN, tokN")
+            raise SystemExit(f"unknown variant {part!r} in {name!r}: use {', '.join(_CHANGES)}, bsN, tokN, minlenN")
     return cfg
 
 
+def variant_data(name: str, data: str, work: Path) -> str:
+    """The data variant ``name`` trains on: ``data``, or its subset of long examples (``minlenN``)."""
+    from outrider.train.data import subset_dataset
+
+    lengths = [int(part[6:]) for part in name.split("+") if part[:6] == "minlen" and part[6:].isdigit()]
+    if not lengths:
+        return data
+    out = work / f"data-minlen{lengths[-1]}"
+    if not (out / "manifest.json").exists():
+        subset_dataset(data, out, lengths[-1])
+    return str(out)
+
+
 def run_variant(name: str, steps: int, data: str, work: Path, loaded, position: int = 0) -> dict:
+    data = variant_data(name, data, work)
     out = work / f"{position}-{name}"
     t = time.perf_counter()
     rep = train("default", data, str(out), config=variant_config(name, steps), progress=False, loaded_target=loaded)
@@ -109,11 +127,14 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
 
     env = dist.init_from_env(None)
     cfg = variant_config(name, warm + steps)
+    data = variant_data(name, data, work.parent)
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
-    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cfg.compile_head)
+    cuda = env.device.type == "cuda"
+    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cuda and cfg.compile_head,
+                           cfg.ttt_attention if cuda else "dense")
     tokens = 0
     with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, graphs=cfg.graph_target,
-                       max_tokens=cfg.batch_size * cfg.max_length) as capture:
+                       max_tokens=max(cfg.batch_tokens, cfg.batch_size * cfg.max_length)) as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)

@@ -13,7 +13,8 @@ from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenize
 from outrider import assets
 from outrider.errors import UserError
 from outrider.train.data import (Dropped, TokenDataset, build_dataset, cache_path_for, end_token_ids, hf_generate_fn,
-                                 load_dataset, merge_datasets, normalise_record, read_manifest, tokenize_conversation)
+                                 load_dataset, merge_datasets, normalise_record, read_manifest, subset_dataset,
+                                 tokenize_conversation)
 
 SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
 
@@ -299,6 +300,26 @@ def test_merge_keeps_each_split_and_drops_examples_seen_before(tmp_path, target)
             assert np.array_equal(got.loss_mask[i], source.loss_mask[j])
     assert manifest["counts"]["dropped"] == {"duplicate": 10} and manifest["counts"]["kept"] == 40
     assert len(manifest["splits"]["train"]["shards"]) > 1 and read_manifest(tmp_path / "m") == manifest
+
+
+def test_subset_keeps_the_long_examples_of_both_splits(tmp_path, target):
+    src = write_jsonl(tmp_path / "a.jsonl", [openai_record(c, t) for c, t in many_conversations(30)])
+    build_dataset(target, src, str(tmp_path / "a"), eval_fraction=0.2, progress=False)
+    whole = {s: load_dataset(tmp_path / "a", s) for s in ("train", "eval")}
+    cut = int(np.median(whole["train"].lengths))
+    manifest = subset_dataset(tmp_path / "a", tmp_path / "long", cut)
+    for split, ds in whole.items():
+        got = load_dataset(tmp_path / "long", split)
+        want = [i for i, n in enumerate(ds.lengths) if n >= cut]
+        assert 0 < len(want) < len(ds) or split == "eval"
+        assert got.conv_ids == [ds.conv_ids[i] for i in want]
+        assert all(np.array_equal(a, ds.input_ids[i]) and np.array_equal(b, ds.loss_mask[i])
+                   for a, b, i in zip(got.input_ids, got.loss_mask, want))
+        assert manifest["counts"][split] == len(want)
+    assert read_manifest(tmp_path / "long") == manifest and manifest["source"]["min_length"] == cut
+    with pytest.raises(UserError, match="no training example"):
+        subset_dataset(tmp_path / "a", tmp_path / "none", 10 ** 6)
+    assert not (tmp_path / "none").exists()
 
 
 def test_merge_refuses_other_tokenisations_and_a_single_directory(tmp_path, target):

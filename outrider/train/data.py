@@ -948,6 +948,27 @@ def merge_datasets(directories: Sequence[str | Path], out: str | Path, shard_row
     return manifest
 
 
+def subset_dataset(directory: str | Path, out: str | Path, min_length: int, shard_rows: int = 8192
+                   ) -> dict[str, Any]:
+    """The examples of ``directory`` with at least ``min_length`` tokens, both splits, into ``out``
+    (written atomically; a profile of long-sequence steps). Returns the new manifest."""
+    d = Path(directory).expanduser()
+    manifest = read_manifest(d)
+    rows: dict[str, list[tuple[str, list[int], list[int]]]] = {"train": [], "eval": []}
+    for split in rows:
+        if split in manifest.get("splits", {}):
+            ds = load_dataset(d, split)
+            rows[split] = [(c, ids.tolist(), m.tolist()) for ids, m, c in zip(ds.input_ids, ds.loss_mask, ds.conv_ids)
+                           if len(ids) >= min_length]
+    if not rows["train"]:
+        raise UserError(f"{d} has no training example of {min_length} tokens or more")
+    new = {**manifest, "source": {"subset_of": str(d), "min_length": int(min_length)},
+           "counts": {"kept": len(rows["train"]) + len(rows["eval"]), "train": len(rows["train"]),
+                      "eval": len(rows["eval"]), "dropped": {}}, "splits": {}}
+    _write_dataset(Path(out).expanduser(), new, rows, shard_rows)
+    return new
+
+
 # --------------------------------------------------------------------------------------------
 # The pipeline
 
