@@ -19,6 +19,7 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
   ``flex_attention``, only the mask's non-empty blocks);
 - ``bsN``: the preset with ``batch_size = N``;
 - ``tokN``: batches by a budget of ``N`` padded tokens (``batch_tokens = N``);
+- ``floorN``: batches of short sequences joined up to ``N`` padded tokens (``min_batch_tokens = N``);
 - ``minlenN``: the preset on the examples of at least ``N`` tokens only (a subset of the data
   written once under ``--work``): steps of long sequences, where the attention weighs most;
 - several joined by ``+`` (``flex-attention+tok16384``): all their changes.
@@ -77,10 +78,13 @@ def variant_config(name: str, steps: int) -> TrainConfig:
             cfg = cfg.replace(batch_size=int(part[2:]))
         elif part[:3] == "tok" and part[3:].isdigit():
             cfg = cfg.replace(batch_tokens=int(part[3:]))
+        elif part[:5] == "floor" and part[5:].isdigit():
+            cfg = cfg.replace(min_batch_tokens=int(part[5:]))
         elif part[:6] == "minlen" and part[6:].isdigit():
             pass  # the data, not the config: see variant_data
         else:
-            raise SystemExit(f"unknown variant {part!r} in {name!r}: use {', '.join(_CHANGES)}, bsN, tokN, minlenN")
+            raise SystemExit(f"unknown variant {part!r} in {name!r}: use {', '.join(_CHANGES)}, "
+                             "bsN, tokN, floorN, minlenN")
     return cfg
 
 
@@ -134,7 +138,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
                            cfg.ttt_attention if cuda else "dense")
     tokens = 0
     with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, graphs=cfg.graph_target,
-                       max_tokens=max(cfg.batch_tokens, cfg.batch_size * cfg.max_length)) as capture:
+                       max_tokens=cfg.max_batch_tokens) as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)
@@ -191,7 +195,7 @@ def main() -> None:
         best = max(results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
         kept = ("loss_kernel", "compile_head", "graph_target", "ttt_attention", "compile", "group_by_length",
-                "batch_size", "batch_tokens")
+                "batch_size", "batch_tokens", "min_batch_tokens")
         cfg = TrainConfig.preset("full").replace(**{key: getattr(flags, key) for key in kept})
         cfg.save(a.write_best)
         results["best"] = {"variant": best["variant"], "config": a.write_best}

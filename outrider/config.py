@@ -14,7 +14,10 @@ Contract:
   ``batch_size * world_size * grad_accum`` sequences (the global batch), whatever the number
   of processes. With ``batch_tokens > 0`` a micro-batch is a budget of padded tokens per
   process instead (as many sequences as fit, counts rounded to few distinct shapes:
-  ``TokenDataset.global_batches``); ``batch_size`` then only sets the evaluation batches.
+  ``TokenDataset.global_batches``); ``batch_size`` then only sets the evaluation batches. With
+  ``min_batch_tokens > 0`` (batches by count, drawn by length) neighbouring batches of short
+  sequences are joined until a batch holds that many padded tokens (steps too small to keep the
+  GPU busy are what they remove); ``max_batch_tokens`` bounds a micro-batch's padded tokens.
 
 Not done here: reading command-line flags (``outrider.cli``), choosing a preset from the hardware
 (the trainer does), settings of stages other than training.
@@ -66,6 +69,7 @@ class TrainConfig:
     time_budget_s: float = 0.0  # > 0: stop (final eval, checkpoint) after this much training; lr anneals by it
     group_by_length: int = 32  # > 1: batches drawn from windows of this many batches sorted by length (less padding)
     batch_tokens: int = 0  # > 0: a micro-batch is this many padded tokens per process, not batch_size sequences
+    min_batch_tokens: int = 0  # > 0 (by count, group_by_length > 1): short batches joined up to this many tokens
     graph_target: bool = False  # on CUDA, the target's forward replays a CUDA graph per batch shape (dense targets)
     ttt_attention: str = "dense"  # on CUDA, the unrolled steps' attention: "dense" (SDPA, block mask) or "flex"
 
@@ -109,12 +113,21 @@ class TrainConfig:
             raise UserError(f"training setting 'group_by_length' must be an integer >= 0, got {self.group_by_length!r}")
         if isinstance(self.batch_tokens, bool) or not isinstance(self.batch_tokens, int) or self.batch_tokens < 0:
             raise UserError(f"training setting 'batch_tokens' must be an integer >= 0, got {self.batch_tokens!r}")
+        if isinstance(self.min_batch_tokens, bool) or not isinstance(self.min_batch_tokens, int) \
+                or self.min_batch_tokens < 0:
+            raise UserError(f"training setting 'min_batch_tokens' must be an integer >= 0, "
+                            f"got {self.min_batch_tokens!r}")
         if self.ttt_attention not in ("dense", "flex"):
             raise UserError(f"training setting 'ttt_attention' must be 'dense' or 'flex', got {self.ttt_attention!r}")
         if self.loss_kernel not in ("triton", "compile"):
             raise UserError(f"training setting 'loss_kernel' must be 'triton' or 'compile', got {self.loss_kernel!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The most padded tokens a micro-batch of one process can hold (``global_batches``' bounds)."""
+        return max(self.batch_tokens, 2 * self.min_batch_tokens, self.batch_size * self.max_length)
 
     # --- presets ------------------------------------------------------------------------------
 

@@ -595,6 +595,32 @@ def test_token_budget_batches_fill_the_budget_with_few_shapes():
         assert sorted(ranks[0][step].indices.tolist() + ranks[1][step].indices.tolist()) == sorted(b.tolist())
 
 
+def test_a_token_floor_joins_neighbouring_short_batches_only():
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([rng.integers(20, 120, 600), rng.integers(300, 1400, 200)])  # many short ones
+    ids = [np.arange(n, dtype=np.int32) for n in lengths]
+    ds = TokenDataset(ids, [np.ones(n, dtype=np.int8) for n in lengths], [str(i) for i in range(len(ids))], {})
+    cap, floor, multiple, g = 1024, 4096, 64, 16
+
+    def padded(b):
+        return len(b) * int(-(-np.minimum(lengths[b], cap).max() // multiple) * multiple)
+
+    by_count = ds.global_batches(g, seed=2, epoch=3, group_by_length=8, cap=cap, multiple=multiple)
+    joined = ds.global_batches(g, seed=2, epoch=3, group_by_length=8, cap=cap, multiple=multiple, min_tokens=floor)
+    assert sorted(np.concatenate(joined).tolist()) == sorted(np.concatenate(by_count).tolist())
+    assert all(len(b) % g == 0 for b in joined)  # unions of whole batches: ranks still split them evenly
+    assert all(padded(b) <= 2 * floor or len(b) == g for b in joined)
+    small_before = sum(padded(b) < floor for b in by_count)
+    small_after = sum(padded(b) < floor for b in joined)
+    assert small_before > 20 and small_after < small_before / 4 and len(joined) < len(by_count)
+    assert {tuple(b.tolist()) for b in joined if padded(b) >= floor and len(b) == g} >= \
+        {tuple(b.tolist()) for b in by_count if padded(b) >= floor}  # a batch at the floor is never touched
+    assert [b.tolist() for b in joined] == [b.tolist() for b in ds.global_batches(
+        g, seed=2, epoch=3, group_by_length=8, cap=cap, multiple=multiple, min_tokens=floor)]
+    assert [b.tolist() for b in ds.global_batches(g, seed=2, epoch=3, cap=cap, multiple=multiple, min_tokens=floor)] \
+        == [b.tolist() for b in ds.global_batches(g, seed=2, epoch=3, cap=cap, multiple=multiple)]  # ungrouped: as is
+
+
 def test_repeated_conversations_under_other_ids_are_kept_once(tmp_path, target):
     convs = many_conversations(30)
     records = [sharegpt_record(c, t) for c, t in convs] + [sharegpt_record(f"copy-{c}", t) for c, t in convs[:6]]

@@ -102,6 +102,8 @@ def test_config_round_trip_presets_and_errors(tmp_path):
         CFG.replace(loss_kernel="cuda")
     with pytest.raises(UserError, match="ttt_attention"):
         CFG.replace(ttt_attention="sparse")
+    with pytest.raises(UserError, match="min_batch_tokens"):
+        CFG.replace(min_batch_tokens=-1)
     # warmup then cosine down to min_lr_ratio
     c = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
     assert [round(lr_factor(s, c), 4) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
@@ -188,6 +190,18 @@ def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
     assert max(r["epoch"] for r in records[0]) >= 1  # crossed an epoch: its length is recomputed
     a, b = _tensors(tmp_path / "a" / "last" / "head"), _tensors(tmp_path / "b" / "last" / "head")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_token_floor_joins_short_batches_in_training(env, tmp_path):
+    plain_cfg = CFG.replace(group_by_length=4, steps=6, eval_every=6, save_every=6)
+    cfg = plain_cfg.replace(min_batch_tokens=200)
+    assert cfg.max_batch_tokens == 400
+    train(env["target"], env["data"], str(tmp_path / "a"), config=plain_cfg, progress=False)
+    rep = train(env["target"], env["data"], str(tmp_path / "b"), config=cfg, progress=False)
+    plain, joined = _train_records(tmp_path / "a"), _train_records(tmp_path / "b")
+    assert rep.steps == 6 and len(joined) == 6
+    most = CFG.grad_accum * CFG.batch_size * CFG.max_length  # real tokens a step of two-sequence batches can hold
+    assert max(r["tokens"] for r in plain) <= most < min(r["tokens"] for r in joined)
 
 
 def test_killed_run_resumes_bit_identical(env, straight, tmp_path):

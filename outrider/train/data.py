@@ -808,12 +808,15 @@ class TokenDataset:
 
     def global_batches(self, g: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
                        group_by_length: int = 0, tokens: int = 0, cap: int = 0, multiple: int = 1,
-                       world_size: int = 1) -> list[np.ndarray]:
+                       world_size: int = 1, min_tokens: int = 0) -> list[np.ndarray]:
         """The example indices of every global batch of one epoch; a function of (seed, epoch).
 
         By count (``tokens = 0``): batch ``s`` is ``order[s*g:(s+1)*g]``. With ``group_by_length =
         m > 1`` each window of ``m`` consecutive batches is sorted by length before it is cut
         (similar lengths share a batch: little padding), and the batches are then shuffled again.
+        With ``min_tokens > 0`` as well, neighbours in that length order whose padded size (count x
+        the widest) is below ``min_tokens`` are joined until the union reaches it, never past
+        ``2 * min_tokens``: whole batches of ``g``, so that ranks still split them evenly.
 
         By tokens (``tokens > 0``): each batch takes the next examples while their padded size
         (count x the widest, lengths cut at ``cap`` and padded to a ``multiple``) stays within
@@ -833,11 +836,31 @@ class TokenDataset:
             windows = [order[i:min(i + group_by_length * g, full)] for i in range(0, full, group_by_length * g)]
             order = np.concatenate([w[np.argsort(lengths[w], kind="stable")] for w in windows] + [order[full:]])
         plan = [order[i:i + g] for i in range(0, full, g)]
+        if group_by_length > 1 and min_tokens > 0:
+            plan = self._joined(plan, min_tokens, cap, multiple)
         if group_by_length > 1:
             plan = [plan[i] for i in np.random.default_rng([int(seed), int(epoch), 1]).permutation(len(plan))]
         if not drop_last and full < len(self):
             plan.append(order[full:])
         return plan
+
+    def _joined(self, plan: list[np.ndarray], min_tokens: int, cap: int, multiple: int) -> list[np.ndarray]:
+        """Consecutive batches below ``min_tokens`` padded tokens joined (see ``global_batches``)."""
+        lengths = np.minimum(self.lengths, cap) if cap > 0 else self.lengths
+        width = -(-lengths // multiple) * multiple  # [N] padded width of each example alone
+
+        def size(rows: np.ndarray) -> int:
+            return len(rows) * int(width[rows].max())
+
+        out: list[np.ndarray] = []
+        for batch in plan:
+            last = out[-1] if out else None
+            if last is not None and size(last) < min_tokens and size(batch) < min_tokens \
+                    and size(np.concatenate([last, batch])) <= 2 * min_tokens:
+                out[-1] = np.concatenate([last, batch])
+            else:
+                out.append(batch)
+        return out
 
     def _token_batches(self, order: np.ndarray, tokens: int, group_by_length: int, cap: int, multiple: int,
                        world_size: int, drop_last: bool, rng: np.random.Generator) -> list[np.ndarray]:

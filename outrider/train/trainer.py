@@ -357,7 +357,7 @@ class _Cursor:
     def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
         cfg, w = self.cfg, self.env.world_size
         return self.ds.global_batches(cfg.batch_size * w, self.seed, epoch, True, cfg.group_by_length,
-                                      cfg.batch_tokens * w, cfg.max_length, self.pad, w)
+                                      cfg.batch_tokens * w, cfg.max_length, self.pad, w, cfg.min_batch_tokens * w)
 
     def next(self) -> Batch:
         if self.batch >= len(self._plan):
@@ -699,7 +699,7 @@ class _Trainer:
             _set_rng_state(self.resume_state["rng"])
         try:
             with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
-                               max_tokens=max(cfg.batch_tokens, cfg.batch_size * cfg.max_length)) as capture:
+                               max_tokens=cfg.max_batch_tokens) as capture:
                 self.capture = capture
                 while self.step < self.stop_at:
                     t0 = time.perf_counter()
