@@ -844,10 +844,14 @@ class TokenDataset:
             plan.append(order[full:])
         return plan
 
+    def _widths(self, cap: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths cut at ``cap`` [N], and the padded width of each example alone [N]."""
+        lengths = np.minimum(self.lengths, cap) if cap > 0 else self.lengths
+        return lengths, -(-lengths // multiple) * multiple
+
     def _joined(self, plan: list[np.ndarray], min_tokens: int, cap: int, multiple: int) -> list[np.ndarray]:
         """Consecutive batches below ``min_tokens`` padded tokens joined (see ``global_batches``)."""
-        lengths = np.minimum(self.lengths, cap) if cap > 0 else self.lengths
-        width = -(-lengths // multiple) * multiple  # [N] padded width of each example alone
+        _, width = self._widths(cap, multiple)
 
         def size(rows: np.ndarray) -> int:
             return len(rows) * int(width[rows].max())
@@ -864,8 +868,7 @@ class TokenDataset:
 
     def _token_batches(self, order: np.ndarray, tokens: int, group_by_length: int, cap: int, multiple: int,
                        world_size: int, drop_last: bool, rng: np.random.Generator) -> list[np.ndarray]:
-        lengths = np.minimum(self.lengths, cap) if cap > 0 else self.lengths
-        width = -(-lengths // multiple) * multiple  # [N] padded width of each example alone
+        lengths, width = self._widths(cap, multiple)  # [N] each
         if group_by_length > 1:
             window = (np.cumsum(width[order]) - 1) // (group_by_length * tokens)  # [N] window of each place
             order = order[np.lexsort((lengths[order], window))]  # stable: by window, then by length
