@@ -21,9 +21,10 @@ The calls, in order (scripts of ``benchmarks/device/``; each one's header says w
 3. ``BUDGET=450 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
 
 A machine left idle for 30 s is taken back with everything under /tmp, and a reply to a long
-call can take longer than that: the data and the head come back under ``$OUT`` (``data-all.tgz``,
-``head.tar.*``); copied into ``.dev/r``, they are put back by ``restore.sh`` (carry ``.dev/r``)
-after a fresh ``stage.sh`` and ``model.sh``. ``DEV=cpu`` runs the same scripts on a machine without
+call can take longer than that: the data and the head come back under ``$OUT`` in parts under
+the 16 MiB a returned file may have (``data.tgz.NN``, ``later/data-all.tgz.NN``, ``head.tar.NN``);
+copied into ``.dev/r``, they are put back by ``restore.sh`` (carry ``.dev/r``) after a fresh
+``stage.sh`` and ``model.sh``. ``DEV=cpu`` runs the same scripts on a machine without
 a GPU (float32, with e.g. ``FIRST=6 LATER=6``, a tiny ``SETTINGS``, ``PASSES=eager:eagle3 NUM=1``):
 a dry run of a session's calls that costs no device time.
 """

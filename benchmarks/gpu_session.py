@@ -8,7 +8,7 @@
         prompts; then, optionally, regenerates training data with the target.
     python benchmarks/gpu_session.py data --out $OUT --dataset F [--pack]
         only the regeneration (``--merge-base D``: then D and the new data merged into ``--merged``;
-        ``--pack``: the data folder, or the merged one, comes back as ``$OUT/<its name>.tgz``).
+        ``--pack``: the data folder, or the merged one, comes back as ``$OUT/<its name>.tgz.NN`` parts).
     python benchmarks/gpu_session.py train-bench --out $OUT --data /tmp/run/data [--preset full]
         trains an EAGLE-3 head (or takes --head), then benchmarks n-gram and EAGLE-3 for k = 1..7
         against our autoregressive decode in the same run (engines built once per pass and
@@ -42,12 +42,16 @@ def _device_name(a) -> str:
     return torch.cuda.get_device_name(0) if a.device == "cuda" else a.device
 
 
+_FAILED: list[str] = []  # stages that raised: the process exits 1 at the end
+
+
 def _stage(results: dict, name: str, path: Path, fn) -> None:
     t = time.perf_counter()
     try:
         results[name] = fn()
     except Exception as e:  # a benchmark stage may fail; the others must still run and be recorded
         results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        _FAILED.append(name)
     results.setdefault("stage_s", {})[name] = round(time.perf_counter() - t, 2)
     atomic_write_json(path, results)
     print(f"== {name} ({results['stage_s'][name]:.1f} s):",
@@ -137,14 +141,27 @@ def _hf_static(model, prompts, max_new, eos, pad=None):
             "warmup_s": warm, "prompts": len(prompts)}, outs
 
 
+def _parts(data: bytes, out: Path, name: str, part_bytes: int = 15 << 20) -> list[str]:
+    """``data`` as ``out/name.NN`` files under the device's return limit (16 MiB a file): ``cat name.* > name``."""
+    parts = []
+    for i in range(0, len(data), part_bytes):
+        part = out / f"{name}.{i // part_bytes:02d}"
+        part.write_bytes(data[i:i + part_bytes])
+        parts.append(part.name)
+    return parts
+
+
 def _pack(folder: str, out: str) -> dict:
-    """``folder`` as ``out/<its name>.tgz`` (untars to ``<its name>/``): what a later call carries back."""
+    """``folder`` as ``out/<its name>.tgz.NN`` parts (``cat <name>.tgz.* | tar xz`` gives ``<its name>/``):
+    what a later call carries back."""
+    import io
     import tarfile
 
-    path = Path(out) / f"{Path(folder).name}.tgz"
-    with tarfile.open(path, "w:gz") as tar:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         tar.add(folder, arcname=Path(folder).name)
-    return {"packed": path.name, "packed_bytes": path.stat().st_size}
+    data = buf.getvalue()
+    return {"packed": _parts(data, Path(out), f"{Path(folder).name}.tgz"), "packed_bytes": len(data)}
 
 
 def _regenerate(a, model, eos) -> dict:
@@ -248,12 +265,7 @@ def pack_head(head_dir: str | Path, out: Path, part_bytes: int = 15 << 20) -> di
         info.size, info.mtime = len(blob), int(time.time())
         tar.addfile(info, io.BytesIO(blob))
     data = buf.getvalue()
-    parts = []
-    for i in range(0, len(data), part_bytes):
-        part = out / f"head.tar.{i // part_bytes:02d}"
-        part.write_bytes(data[i:i + part_bytes])
-        parts.append(part.name)
-    return {"bytes": len(data), "parts": parts}
+    return {"bytes": len(data), "parts": _parts(data, out, "head.tar", part_bytes)}
 
 
 def train_bench(a) -> None:
@@ -273,9 +285,10 @@ def train_bench(a) -> None:
             return rep.to_dict()
 
         _stage(results, "train", path, run_train)
-        metrics = Path(a.work) / "train" / "metrics.jsonl"
-        if metrics.exists():
-            (Path(a.out) / "train-metrics.jsonl").write_text(metrics.read_text())
+        if "error" in results["train"]:  # what lies in the work folder is not this run's: send nothing back
+            print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
+            return
+        (Path(a.out) / "train-metrics.jsonl").write_text((Path(a.work) / "train" / "metrics.jsonl").read_text())
 
         def run_export():
             return export(head_dir, "vllm", f"{a.work}/head-vllm", target="default").to_dict()
@@ -325,7 +338,8 @@ def main():
     ap.add_argument("--dataset", default=None, help="speed phase: regenerate this conversation file")
     ap.add_argument("--data-out", default="/tmp/run/data")
     ap.add_argument("--pack", action="store_true",
-                    help="data: the data folder (the merged one with --merge-base) comes back as $OUT/<name>.tgz")
+                    help="data: the data folder (the merged one with --merge-base) comes back as "
+                         "$OUT/<name>.tgz.NN parts")
     ap.add_argument("--merge-base", default=None, help="data: a dataset to merge the new one after (into --merged)")
     ap.add_argument("--merged", default="/tmp/run/data-all")
     ap.add_argument("--conversations", type=int, default=8000)
@@ -356,6 +370,8 @@ def main():
         raise SystemExit("the speed phase times CUDA graphs: it runs on cuda only")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     {"speed": speed, "data": data_phase, "train-bench": train_bench}[a.phase](a)
+    if _FAILED:
+        raise SystemExit(f"failed stages: {', '.join(_FAILED)} (their errors are in the results)")
 
 
 if __name__ == "__main__":

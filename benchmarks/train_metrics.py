@@ -51,7 +51,8 @@ def summarise(path: str | Path, after: int = 100) -> dict:
     for lo, hi in zip(edges, edges[1:]):
         part = [r for r in steady if lo <= r["tokens"] < hi]
         if part:
-            out["by_tokens"].append({"from": lo, "to": hi, "steps": len(part), "mfu": round(_weighted(part, "mfu"), 5),
+            out["by_tokens"].append({"from": lo, "to": None if hi == float("inf") else hi, "steps": len(part),
+                                     "mfu": round(_weighted(part, "mfu"), 5),
                                      "median_ms": round(1e3 * statistics.median(_time(r) for r in part), 1)})
     seen = 0
     for r in rows:
@@ -70,7 +71,8 @@ def _print(s: dict) -> None:
           f"{100 * s['share_at_20pct']:.0f} % of steps >= 20 %; after step {st['after_step']}: MFU "
           f"{100 * st['mfu']:.1f} % time-weighted over {st['time_s']} s, {st['tokens_per_s']:,} tokens/s")
     for b in s["by_tokens"]:
-        print(f"  {b['from']:>6,}-{b['to']:<8,} tokens: {b['steps']:5d} steps, MFU {100 * b['mfu']:5.1f} %, "
+        print(f"  {b['from']:>6,}-{'' if b['to'] is None else format(b['to'], ','):<8} tokens: {b['steps']:5d} steps, "
+              f"MFU {100 * b['mfu']:5.1f} %, "
               f"median {b['median_ms']} ms")
     for e in s["evals"]:
         print(f"  eval step {e['step']:5d} ({e['tokens_m']}M tokens): tau sim {e['sim_tau']}, walked {e['walk_tau']}, "

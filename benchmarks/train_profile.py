@@ -34,7 +34,7 @@ copies; the rest of the wall time the GPU waits for the host) and writes the ker
 GPU time to ``$OUT/train-profile.txt``, then the same grouped by input shapes (to tell apart the
 calls of one operator) to ``$OUT/train-profile-shapes.txt``.
 ``--write-best F`` writes to F the ``full`` preset with the settings the variants change
-(kernels, batching) of the fastest of the variants run (by median tokens/s), for a
+(kernels, batching) of the fastest of the variants run on the whole data (by median tokens/s), for a
 training run to take with ``--config F``.
 Writes ``$OUT/train_profile.json`` and prints one JSON line at the end.
 """
@@ -95,7 +95,7 @@ def variant_data(name: str, data: str, work: Path) -> str:
     lengths = [int(part[6:]) for part in name.split("+") if part[:6] == "minlen" and part[6:].isdigit()]
     if not lengths:
         return data
-    out = work / f"data-minlen{lengths[-1]}"
+    out = work / f"{Path(data).name}-minlen{lengths[-1]}"  # one subset per data folder and length
     if not (out / "manifest.json").exists():
         subset_dataset(data, out, lengths[-1])
     return str(out)
@@ -192,7 +192,8 @@ def main() -> None:
         print(json.dumps(results["variants"][-1]), flush=True)
         atomic_write_json(out / "train_profile.json", results)
     if a.write_best and results["variants"]:
-        best = max(results["variants"], key=lambda v: v["tokens_per_s"])
+        same_data = [v for v in results["variants"] if "minlen" not in v["variant"]]  # comparable tokens/s only
+        best = max(same_data or results["variants"], key=lambda v: v["tokens_per_s"])
         flags = variant_config(best["variant"], a.steps)
         kept = ("loss_kernel", "compile_head", "graph_target", "ttt_attention", "compile", "group_by_length",
                 "batch_size", "batch_tokens", "min_batch_tokens")

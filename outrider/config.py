@@ -117,6 +117,9 @@ class TrainConfig:
                 or self.min_batch_tokens < 0:
             raise UserError(f"training setting 'min_batch_tokens' must be an integer >= 0, "
                             f"got {self.min_batch_tokens!r}")
+        if self.min_batch_tokens and (self.batch_tokens or self.group_by_length <= 1):
+            raise UserError("training setting 'min_batch_tokens' joins batches counted in sequences and drawn by "
+                            "length: it needs batch_tokens = 0 and group_by_length > 1")
         if self.ttt_attention not in ("dense", "flex"):
             raise UserError(f"training setting 'ttt_attention' must be 'dense' or 'flex', got {self.ttt_attention!r}")
         if self.loss_kernel not in ("triton", "compile"):
@@ -127,7 +130,7 @@ class TrainConfig:
     @property
     def max_batch_tokens(self) -> int:
         """The most padded tokens a micro-batch of one process can hold (``global_batches``' bounds)."""
-        return max(self.batch_tokens, 2 * self.min_batch_tokens, self.batch_size * self.max_length)
+        return max(self.batch_tokens, 2 * self.min_batch_tokens, self.batch_size * self.max_length)  # floor: joined
 
     # --- presets ------------------------------------------------------------------------------
 

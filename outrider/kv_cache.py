@@ -419,7 +419,7 @@ class CachedLM:
         mask = self.cache.attention_mask(query_valid, new_mask, self.dtype)
         # one index asked twice: a compiled prefill specialises a size of 1, and recompiling between
         # calls that ask one row and calls that ask several would land in timed runs
-        one = logits_at is not None and logits_at.numel() == 1
+        one = logits_at is not None and logits_at.shape == (1,)
         with self._hooks():
             logits, self.aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask,
                                                 logits_at.repeat(2) if one else logits_at)

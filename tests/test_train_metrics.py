@@ -20,16 +20,19 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_steady_mfu_is_weighted_by_step_time(tmp_path):
-    # step 1 (left out as warm-up), then a 0.1 s step at 20 % and a 0.3 s step at 10 %
-    rows = [{"type": "train", "step": 1, "tokens": 1000, "tokens_per_s": 100.0, "mfu": 0.01, "mfu_weights": 0.01},
+    # step 1 (100 s, left out as warm-up), then a 0.1 s step at 20 % and a 0.3 s step at 10 %
+    rows = [{"type": "train", "step": 1, "tokens": 100000, "tokens_per_s": 1000.0, "mfu": 0.01, "mfu_weights": 0.01},
             {"type": "train", "step": 2, "tokens": 9000, "tokens_per_s": 90000.0, "mfu": 0.2, "mfu_weights": 0.19},
             {"type": "eval", "step": 2, "sim_tau_k": 2.5, "walk_tau_k": 2.4, "per_step_acc": [0.6, 0.5]},
             {"type": "train", "step": 3, "tokens": 36000, "tokens_per_s": 120000.0, "mfu": 0.1, "mfu_weights": 0.09}]
     s = train_metrics.summarise(_write(tmp_path / "m.jsonl", rows), after=1)
     assert s["steps"] == 3 and s["median_tokens_per_s"] == 90000 and s["median_mfu"] == 0.1
+    assert s["median_mfu_weights"] == 0.09 and s["step_time_s"] == 100.4
     assert s["steady"]["time_s"] == 0.4 and s["steady"]["mfu"] == pytest.approx((0.2 * 0.1 + 0.1 * 0.3) / 0.4)
     assert s["steady"]["tokens_per_s"] == 112500 and s["share_at_20pct"] == pytest.approx(1 / 3, abs=1e-3)
-    assert [(b["from"], b["steps"], b["median_ms"]) for b in s["by_tokens"]] == [(8000, 1, 100.0), (30000, 1, 300.0)]
-    assert s["evals"] == [{"step": 2, "tokens_m": 0.0, "sim_tau": 2.5, "walk_tau": 2.4, "acc0": 0.6}]
+    assert [(b["from"], b["to"], b["steps"], b["median_ms"]) for b in s["by_tokens"]] == \
+        [(8000, 10000, 1, 100.0), (30000, None, 1, 300.0)]
+    assert s["evals"] == [{"step": 2, "tokens_m": 0.1, "sim_tau": 2.5, "walk_tau": 2.4, "acc0": 0.6}]
+    json.loads(json.dumps(s, allow_nan=False))  # plain JSON: no Infinity
     with pytest.raises(SystemExit, match="not more than --after 3"):
         train_metrics.summarise(tmp_path / "m.jsonl", after=3)

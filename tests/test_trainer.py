@@ -104,6 +104,10 @@ def test_config_round_trip_presets_and_errors(tmp_path):
         CFG.replace(ttt_attention="sparse")
     with pytest.raises(UserError, match="min_batch_tokens"):
         CFG.replace(min_batch_tokens=-1)
+    with pytest.raises(UserError, match="min_batch_tokens.*needs batch_tokens = 0"):
+        CFG.replace(min_batch_tokens=200, batch_tokens=120)
+    with pytest.raises(UserError, match="min_batch_tokens.*group_by_length > 1"):
+        CFG.replace(min_batch_tokens=200, group_by_length=0)
     # warmup then cosine down to min_lr_ratio
     c = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
     assert [round(lr_factor(s, c), 4) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
@@ -202,6 +206,7 @@ def test_a_token_floor_joins_short_batches_in_training(env, tmp_path):
     assert rep.steps == 6 and len(joined) == 6
     most = CFG.grad_accum * CFG.batch_size * CFG.max_length  # real tokens a step of two-sequence batches can hold
     assert max(r["tokens"] for r in plain) <= most < min(r["tokens"] for r in joined)
+    assert max(r["tokens"] for r in joined) <= CFG.grad_accum * cfg.max_batch_tokens
 
 
 def test_killed_run_resumes_bit_identical(env, straight, tmp_path):

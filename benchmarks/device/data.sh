@@ -1,5 +1,6 @@
 # Regenerates the first exchanges (and the later ones, when unpacked) with the target; the data
-# comes back as $OUT/data.tgz (or data-all.tgz, merged), so that a released machine loses nothing.
+# comes back as $OUT/data.tgz.NN (and $OUT/later/data-all.tgz.NN, merged), so that a released
+# machine loses nothing (restore.sh puts it back).
 . benchmarks/device/env.sh
 python3 benchmarks/gpu_session.py data --out $OUT --dataset /tmp/src/first-exchanges.json \
     --conversations ${FIRST:-11000} --data-out /tmp/run/data --pack --device $DEV || exit 1

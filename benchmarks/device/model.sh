@@ -1,5 +1,5 @@
-# Call 2 (carry .dev/b2 .dev/commit), within 30 s of call 1: the default model converted under
-# /tmp/oh (kept while the machine stays warm) and the first exchanges unpacked into /tmp/src.
+# Call 2 (carry .dev/b2 .dev/b3 .dev/commit), within 30 s of call 1: the default model converted
+# under /tmp/oh (kept while the machine stays warm), the exchanges unpacked into /tmp/src.
 . benchmarks/device/env.sh
 if [ ! -f /tmp/oh/models/SmolLM2-135M-Instruct/config.json ]; then
     [ -f /tmp/src/gguf.part00 ] || { echo "no /tmp/src/gguf.part00: the machine was released, run stage.sh again"; exit 3; }

@@ -790,11 +790,13 @@ class TokenDataset:
 
     def batches(self, batch_size: int, seed: int = 0, epoch: int = 0, start: int = 0, rank: int = 0,
                 world_size: int = 1, drop_last: bool = True, pad_to_multiple_of: int = 1,
-                group_by_length: int = 0, batch_tokens: int = 0, cap: int = 0) -> Iterator[Batch]:
+                group_by_length: int = 0, batch_tokens: int = 0, cap: int = 0, min_tokens: int = 0
+                ) -> Iterator[Batch]:
         """Batches of one epoch, from batch number ``start`` (to resume mid-epoch).
 
         Step ``s`` takes global batch ``s`` of ``global_batches`` (``G = batch_size * world_size``
-        examples each, or a budget of ``batch_tokens * world_size`` padded tokens); rank ``r`` gets
+        examples each, or a budget of ``batch_tokens * world_size`` padded tokens, or short neighbours
+        joined up to ``min_tokens * world_size``); rank ``r`` gets
         its elements ``r, r + world_size, ...``. The union over ranks is the batch a single process
         with ``batch_size = G`` sees. With ``drop_last=False`` the final global batch may be short,
         and a rank's share of it may be empty.
@@ -802,7 +804,8 @@ class TokenDataset:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batching: batch_size={batch_size} rank={rank} world_size={world_size}")
         plan = self.global_batches(batch_size * world_size, seed, epoch, drop_last, group_by_length,
-                                   batch_tokens * world_size, cap, pad_to_multiple_of, world_size)
+                                   batch_tokens * world_size, cap, pad_to_multiple_of, world_size,
+                                   min_tokens * world_size)
         for s in range(start, len(plan)):
             yield self.collate(plan[s][rank::world_size], pad_to_multiple_of)
 

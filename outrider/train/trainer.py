@@ -108,7 +108,7 @@ class TrainReport:
     mfu: float | None
     mfu_note: str
     world_size: int
-    global_batch: int  # sequences per optimizer step (0 when batches are counted in tokens)
+    global_batch: int  # sequences per optimizer step, at least with min_batch_tokens (0: counted in tokens)
     global_batch_tokens: int  # padded tokens per optimizer step at most (0 when batches count sequences)
     device: str
     draft_vocab_size: int
