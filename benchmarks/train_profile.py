@@ -126,19 +126,15 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
     from torch.profiler import ProfilerActivity, profile
 
     from outrider.train import dist
-    from outrider.train.capture import TargetCapture
-    from outrider.train.trainer import _Objective, _Trainer
+    from outrider.train.trainer import _Trainer
 
     env = dist.init_from_env(None)
     cfg = variant_config(name, warm + steps)
     data = variant_data(name, data, work.parent)
     tr = _Trainer(env, "default", data, str(work), None, cfg, None, False, None, None, None, False, loaded)
-    cuda = env.device.type == "cuda"
-    objective = _Objective(tr.head, tr.embedding, cfg.ttt_steps, tr.fused, cuda and cfg.compile_head,
-                           cfg.ttt_attention if cuda else "dense")
+    objective = tr.objective()
     tokens = 0
-    with TargetCapture(tr.model, tr.config.aux_layer_ids, tr.vocab.draft_ids, graphs=cfg.graph_target,
-                       max_tokens=cfg.max_batch_tokens) as capture:
+    with tr.target_capture() as capture:
         tr.capture = capture
         for _ in range(warm):
             tr._train_step(objective)

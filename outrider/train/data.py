@@ -839,9 +839,9 @@ class TokenDataset:
             windows = [order[i:min(i + group_by_length * g, full)] for i in range(0, full, group_by_length * g)]
             order = np.concatenate([w[np.argsort(lengths[w], kind="stable")] for w in windows] + [order[full:]])
         plan = [order[i:i + g] for i in range(0, full, g)]
-        if group_by_length > 1 and min_tokens > 0:
-            plan = self._joined(plan, min_tokens, cap, multiple)
         if group_by_length > 1:
+            if min_tokens > 0:
+                plan = self._joined(plan, min_tokens, cap, multiple)
             plan = [plan[i] for i in np.random.default_rng([int(seed), int(epoch), 1]).permutation(len(plan))]
         if not drop_last and full < len(self):
             plan.append(order[full:])

@@ -77,6 +77,7 @@ from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_write_json, atomic_write_text
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist, flops, soft_ce
+from outrider.train.capture import TargetCapture
 from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
 from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
@@ -684,22 +685,17 @@ class _Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> TrainReport:
-        from outrider.train.capture import TargetCapture
-
         env, cfg = self.env, self.config
         if env.is_main:
             self._prepare_out()
         dist.barrier(env)
-        cuda = env.device.type == "cuda"
-        objective = dist.wrap(_Objective(self.head, self.embedding, cfg.ttt_steps, self.fused, cuda and cfg.compile_head,
-                                         cfg.ttt_attention if cuda else "dense"), env)
+        objective = dist.wrap(self.objective(), env)
         bar = _Bar(self.progress, self.stop_at, self.step)
         train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             _set_rng_state(self.resume_state["rng"])
         try:
-            with TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
-                               max_tokens=cfg.max_batch_tokens) as capture:
+            with self.target_capture() as capture:
                 self.capture = capture
                 while self.step < self.stop_at:
                     t0 = time.perf_counter()
@@ -756,6 +752,18 @@ class _Trainer:
         if not self.env.distributed:  # no device tensor, no synchronisation on one process
             return over
         return float(dist.all_reduce_sum(torch.tensor([float(over)], device=self.env.device), self.env)[0]) > 0
+
+    def objective(self) -> "_Objective":
+        """The head and its TTT loss as the config sets them (kernels and attention on CUDA only)."""
+        cfg, cuda = self.config, self.env.device.type == "cuda"
+        return _Objective(self.head, self.embedding, cfg.ttt_steps, self.fused, cuda and cfg.compile_head,
+                          cfg.ttt_attention if cuda else "dense")
+
+    def target_capture(self) -> TargetCapture:
+        """The target bound for capture, its graphs sized for the config's largest micro-batch."""
+        cfg = self.config
+        return TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
+                             max_tokens=cfg.max_batch_tokens)
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
         """One optimizer step. The host waits for the device once, after the optimizer step is queued:
