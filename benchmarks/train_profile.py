@@ -17,6 +17,8 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
   replayed as a CUDA graph per batch shape);
 - ``flex-attention``: ``ttt_attention = "flex"`` (the unrolled steps' attention in
   ``flex_attention``, only the mask's non-empty blocks);
+- ``sync-steps``: ``run_ahead = false`` (the host waits for each step's metrics before it queues
+  the next step, instead of one step ahead);
 - ``bsN``: the preset with ``batch_size = N``;
 - ``tokN``: batches by a budget of ``N`` padded tokens (``batch_tokens = N``);
 - ``floorN``: batches of short sequences joined up to ``N`` padded tokens (``min_batch_tokens = N``);
@@ -64,6 +66,7 @@ _CHANGES = {
     "eager-head": {"compile_head": False},
     "eager-target": {"graph_target": False},
     "flex-attention": {"ttt_attention": "flex"},
+    "sync-steps": {"run_ahead": False},
 }
 
 
@@ -141,8 +144,7 @@ def profile_steps(name: str, data: str, work: Path, loaded, table_path: Path, wa
         _sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             t = time.perf_counter()
-            for _ in range(steps):
-                m, _ = tr._train_step(objective)
+            for _, m, _, _, _ in tr._steps(objective):  # the rest of the steps, queued as a run queues them
                 tokens += m["tokens"]
             _sync()
             wall = time.perf_counter() - t

@@ -72,6 +72,7 @@ class TrainConfig:
     min_batch_tokens: int = 0  # > 0 (by count, group_by_length > 1): short batches joined up to this many tokens
     graph_target: bool = False  # on CUDA, the target's forward replays a CUDA graph per batch shape (dense targets)
     ttt_attention: str = "dense"  # on CUDA, the unrolled steps' attention: "dense" (SDPA, block mask) or "flex"
+    run_ahead: bool = True  # one process: the next step is queued before this one's metrics are read
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -120,6 +121,8 @@ class TrainConfig:
         if self.min_batch_tokens and (self.batch_tokens or self.group_by_length <= 1):
             raise UserError("training setting 'min_batch_tokens' joins batches counted in sequences and drawn by "
                             "length: it needs batch_tokens = 0 and group_by_length > 1")
+        if not isinstance(self.run_ahead, bool):
+            raise UserError(f"training setting 'run_ahead' must be true or false, got {self.run_ahead!r}")
         if self.ttt_attention not in ("dense", "flex"):
             raise UserError(f"training setting 'ttt_attention' must be 'dense' or 'flex', got {self.ttt_attention!r}")
         if self.loss_kernel not in ("triton", "compile"):

@@ -181,6 +181,27 @@ def test_stop_then_resume_is_bit_identical(env, straight):
     assert sa["position"] == sb["position"] and sa["scheduler"] == sb["scheduler"]
 
 
+def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight, tmp_path):
+    """The next step is queued before this one's metrics are read, except after the first step and
+    the steps that evaluate or checkpoint; the run is bit-identical to one that waits for each step."""
+    ref, _ = straight
+    assert CFG.run_ahead
+    out = tmp_path / "sync"
+    train(env["target"], env["data"], str(out), config=CFG.replace(run_ahead=False), progress=False)
+    ahead, sync = _train_records(ref), _train_records(out)
+    assert [r["step"] for r in ahead if r["ahead"]] == [3, 6, 8, 11, 12]  # eval every 4, save every 3, 12 steps
+    assert not any(r["ahead"] for r in sync)
+    for key in ("loss", "per_step_acc", "grad_norm", "lr", "epoch", "tokens"):
+        assert [r[key] for r in ahead] == [r[key] for r in sync], key
+    evals = [[(r["step"], r["loss"], r["walk_tau_k"]) for r in map(json.loads, (d / "metrics.jsonl").read_text()
+              .splitlines()) if r["type"] == "eval"] for d in (ref, out)]
+    assert evals[0] == evals[1] and len(evals[0]) == 3  # evaluations see the same weights
+    a, b = _tensors(ref / "last" / "head"), _tensors(out / "last" / "head")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(UserError, match="run_ahead"):
+        CFG.replace(run_ahead="yes")
+
+
 def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
     cfg = CFG.replace(batch_tokens=120, steps=10, eval_every=5, save_every=5)  # ~3 sequences of <= 48 tokens
     ref = train(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False)

@@ -723,8 +723,16 @@ class Batch:
     indices: torch.Tensor  # [batch] int64, example indices in the dataset
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking)
+        return Batch(*(to_device(t, device, non_blocking)
                        for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor bound for CUDA with ``non_blocking`` goes through pinned
+    memory, so that the copy is queued behind the device's work instead of waiting for it."""
+    if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 class TokenDataset:

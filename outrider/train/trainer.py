@@ -78,7 +78,7 @@ from outrider.fsutil import atomic_dir, atomic_write_json, atomic_write_text
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.train import dist, flops, soft_ce
 from outrider.train.capture import TargetCapture
-from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest
+from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest, to_device
 from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
@@ -191,6 +191,29 @@ class _Objective(nn.Module):
                         compile_head=self.compile_head, attention=self.attention)
 
 
+class _HostCopy:
+    """Device tensors copied to pinned host memory behind the work queued so far: ``get`` waits for
+    that work only, not for what the host queued after it (a plain ``.cpu()`` waits for it all)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.sizes = [t.numel() for t in tensors]
+        flat = (torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors
+                else torch.zeros(0, dtype=torch.float64))  # [sum of sizes]
+        self.event = None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat
+
+    def get(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return list(self.host.split(self.sizes))
+
+
 class _Sums:
     """Per-step sums over a batch (all micro-batches; all ranks after ``reduce``)."""
 
@@ -202,6 +225,8 @@ class _Sums:
         self.tokens = 0  # real tokens
         self.walk = torch.zeros(2, dtype=torch.long)  # [tokens, rounds] of walked decoding (eval only)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # device-side, not yet read
+        self._staged: _HostCopy | None = None  # the pending values (and extras) on their way to the host
+        self.extra: list[torch.Tensor] = []  # the ``stage`` extras, once read
 
     def add(self, out, tokens: int) -> None:
         """Counts now; the device-side metrics are read when first needed (one host round trip)."""
@@ -209,11 +234,20 @@ class _Sums:
         self.counted += out.per_step_tokens
         self.tokens += int(tokens)
 
+    def stage(self, *extra: torch.Tensor) -> None:
+        """Starts the copy of the pending device values and ``extra`` to the host, without waiting."""
+        self._staged = _HostCopy([t for loss, correct, _ in self._pending for t in (loss, correct)] + list(extra))
+
     def _read(self) -> None:
-        for loss, correct, n in self._pending:
-            self.ce += loss.detach().to("cpu").double() * n.double()
-            self.correct += correct.to("cpu")
-        self._pending = []
+        if self._staged is None and self._pending:
+            self.stage()
+        if self._staged is not None:
+            values = self._staged.get()
+            for j, (_, _, n) in enumerate(self._pending):
+                self.ce += values[2 * j] * n.double()
+                self.correct += values[2 * j + 1].round().long()
+            self.extra = values[2 * len(self._pending):]
+        self._pending, self._staged = [], None
 
     def merge(self, other: "_Sums") -> None:
         self._read()
@@ -251,6 +285,19 @@ class _Sums:
             "positions": int(self.counted[0]),
             "tokens": self.tokens,
         }
+
+
+@dataclass
+class _Launched:
+    """An optimizer step queued on the device, its metrics not yet read."""
+
+    sums: _Sums
+    counted: torch.Tensor  # [steps] loss positions of the global batch
+    pairs: int  # causal attention pairs of the global batch
+    lr: float
+    epoch: int
+    t0: float  # perf_counter when the host began to queue it
+    ahead: bool = False  # queued before the step before it was read
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,12 +744,8 @@ class _Trainer:
         try:
             with self.target_capture() as capture:
                 self.capture = capture
-                while self.step < self.stop_at:
-                    t0 = time.perf_counter()
-                    m, counted = self._train_step(objective)
-                    if env.device.type == "cuda":
-                        torch.cuda.synchronize(env.device)
-                    dt = time.perf_counter() - t0
+                for launched, m, counted, queued, dt in self._steps(objective):
+                    m["ahead"] = launched.ahead
                     train_s += dt
                     self.train_s += dt
                     tokens_seen += m["tokens"]
@@ -714,9 +757,9 @@ class _Trainer:
                         m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
                     bar.update(self.step, m, m["tokens_per_s"])
                     if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
+                        self.stop_at = self.step + queued  # a step already queued is finished and counted
                         self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
-                                          f"step {self.step} of {cfg.steps}")
-                        self.stop_at = self.step
+                                          f"step {self.stop_at} of {cfg.steps}")
                     if env.is_main and (self.step % cfg.log_every == 0 or self.step == self.stop_at):
                         self._log({"type": "train", **m})
                     if self.step % cfg.eval_every == 0 or self.step == self.stop_at:
@@ -765,10 +808,43 @@ class _Trainer:
         return TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
                              max_tokens=cfg.max_batch_tokens)
 
+    def _steps(self, objective: nn.Module):
+        """Runs optimizer steps until ``stop_at`` (which the caller may lower as it goes), yielding
+        ``(launched, metrics, counted, queued, dt)`` as each step's metrics are read; ``queued``:
+        the steps queued after it; ``dt``: its seconds on the device's clock as the host sees it
+        (from the end of the step before, or from its launch when nothing ran before it).
+
+        With ``run_ahead`` on one process the host queues step n+1 before it waits for step n's
+        metrics, so that the device does not idle while the host prepares a batch and launches its
+        kernels. Never for a process's first step (it compiles), nor past a step that evaluates or
+        checkpoints (those see every queued update applied, nothing more), nor past ``stop_at``, nor
+        when the last step's time would use up the time budget.
+        """
+        cfg, queue, done, dt = self.config, [], 0.0, 0.0
+        ahead = cfg.run_ahead and not self.env.distributed
+        while self.step < self.stop_at:
+            if not queue:
+                queue.append(self._launch_step(objective))
+            last = self.step + len(queue)  # the number the last queued step will have
+            if (ahead and dt > 0 and len(queue) == 1 and last < self.stop_at and last % cfg.eval_every
+                    and last % cfg.save_every and not (cfg.time_budget_s and self.train_s + dt >= cfg.time_budget_s)):
+                queue.append(self._launch_step(objective))
+                queue[-1].ahead = True
+            launched = queue.pop(0)
+            m, counted = self._finish_step(launched)
+            now = time.perf_counter()
+            dt, done = now - max(launched.t0, done), now
+            yield launched, m, counted, len(queue), dt
+
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
-        """One optimizer step. The host waits for the device once, after the optimizer step is queued:
-        the loss positions are found on the host and travel with the batch."""
+        """One optimizer step, queued and then read."""
+        return self._finish_step(self._launch_step(objective))
+
+    def _launch_step(self, objective: nn.Module) -> _Launched:
+        """Queues one optimizer step. The host waits for nothing: the loss positions are found on the
+        host and travel with the batch, and the metrics start their way back behind the step."""
         env, cfg = self.env, self.config
+        t0, epoch = time.perf_counter(), self.cursor.epoch
         micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
         index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
         counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
@@ -782,7 +858,7 @@ class _Trainer:
         for j, (batch, ix) in enumerate(zip(micro, index)):
             tokens = int(batch.attention_mask.sum())
             batch = batch.to(env.device, non_blocking=True)
-            ix = [(b.to(env.device, non_blocking=True), t.to(env.device, non_blocking=True)) for b, t in ix]
+            ix = [(to_device(b, env.device, True), to_device(t, env.device, True)) for b, t in ix]
             captured = self.capture(batch.input_ids, batch.attention_mask)
             sync = j == len(micro) - 1 or not env.distributed
             with (contextlib.nullcontext() if sync else objective.no_sync()):
@@ -797,16 +873,24 @@ class _Trainer:
         self.optimizer.step()  # a non-finite step is never saved: the check below stops the run first
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums.reduce(env)  # the host waits here
-        m = sums.metrics(self.weights, cfg.tau_k)
-        if not math.isfinite(m["loss"]) or not math.isfinite(float(grad_norm)):
+        sums.stage(grad_norm.reshape(1))
+        return _Launched(sums, counted, pairs, lr, epoch, t0)
+
+    def _finish_step(self, launched: _Launched) -> tuple[dict[str, Any], torch.Tensor]:
+        """Reads a queued step's metrics (the host waits for that step only) and counts it."""
+        sums = launched.sums
+        sums.reduce(self.env)
+        grad_norm = float(sums.extra[0])
+        m = sums.metrics(self.weights, self.config.tau_k)
+        if not math.isfinite(m["loss"]) or not math.isfinite(grad_norm):
             what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
             raise UserError(f"non-finite {what} at step {self.step + 1}: training stopped, the last good checkpoint "
                             f"in {self.last_dir} is intact (lower lr, or check the target and the data)")
         self.step += 1
         self.window.merge(sums)
-        m.update(step=self.step, epoch=self.cursor.epoch, lr=lr, grad_norm=round(float(grad_norm), 6), attn_pairs=pairs)
-        return m, counted
+        m.update(step=self.step, epoch=launched.epoch, lr=launched.lr, grad_norm=round(grad_norm, 6),
+                 attn_pairs=launched.pairs)
+        return m, launched.counted
 
     @torch.no_grad()
     def _evaluate(self, bar: _Bar) -> None:
