@@ -5,7 +5,7 @@
 The lent machine starts bare (no network, no model hub) and takes at most 64 MiB of working tree
 per call; the default model's GGUF (98 MB) therefore travels in two calls. Writes:
 
-- ``.dev/b1``: the GGUF's first 60 MB and ``prompts-heldout.json`` (the held-out split's first user
+- ``.dev/b1``: the GGUF's first 57.5 MB and ``prompts-heldout.json`` (the held-out split's first user
   turns, the benchmark prompts); ``.whl``: the wheels the machine lacks (``gguf``, ``pytest``).
 - ``.dev/b2``: the rest of the GGUF and ``first-exchanges.json.gz`` (the first user turn and reply
   of training-split conversations, as the demo builds them).
@@ -44,7 +44,7 @@ from outrider.fsutil import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("gguf", "pytest", "pluggy", "iniconfig")
-PART = 60_000_000  # bytes of the GGUF in the first call: the rest, with the data, fits the second
+PART = 57_500_000  # bytes of the GGUF in the first call: the rest, with the data, fits the second
 
 
 def later_exchanges(sharegpt, limit: int) -> list[dict]:
