@@ -347,13 +347,14 @@ class CachedLM:
     row and returns logits ``[batch, n, vocab]``; when ``aux_layer_ids`` were given, ``self.aux``
     holds the captured hidden states ``[batch, n, len(ids) * hidden]`` of the same forward.
     With ``compile`` the plain step is compiled (and captured per width with ``graphs``); so is
-    the forward over given positions and masks (prompts) when ``compile_prefill`` (default: on
-    CUDA), once, dynamic in its sizes.
+    the forward over given positions and masks (prompts) when ``compile_prefill`` (off by default:
+    on the H200 its compilation, dynamic in every size, outlasted two benchmark calls of 170 and
+    440 s), once, dynamic in its sizes.
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
                  aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False,
-                 compile: bool | str = False, attention: str = "slots", compile_prefill: bool | None = None):
+                 compile: bool | str = False, attention: str = "slots", compile_prefill: bool = False):
         if attention not in ("slots", "model"):
             raise ValueError(f"attention must be 'slots' or 'model', got {attention!r}")
         self.model = model
@@ -373,9 +374,7 @@ class CachedLM:
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
         self.compile_backend = backend_of(compile)  # of the plain step; None: eager
         self._step_fn = _plain_step if self.compile_backend is None else _compiled_step(self.compile_backend)
-        # the other forwards (prompts, ragged blocks) compiled too where launches dominate: on CUDA by default
-        if compile_prefill is None:
-            compile_prefill = self.device.type == "cuda"
+        # the other forwards (prompts, ragged blocks) compiled too, on request (slow to compile)
         fused_prefill = self.compile_backend is not None and compile_prefill
         self._prefill_fn = _compiled_prefill(self.compile_backend) if fused_prefill else _prefill_step
 
