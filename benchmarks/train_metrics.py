@@ -7,7 +7,10 @@ products alone), the share of steps at >= 20 % MFU, and the steady steps (after 
 steps: compilation and first-step allocations excluded) as one figure, MFU weighted by each
 step's time; then the steady steps by real tokens per step (count, time-weighted MFU, median step
 time) and the evaluations (step, tokens seen, simulated and walked tau, step-0 accuracy).
-A step's time is its tokens over its tokens/s, as the trainer measured it (device synchronised).
+A step's time is its tokens over its tokens/s, as the trainer measured it (from the end of the
+step before as the host saw it; with steps queued ahead, ``ahead`` in the records, a step short
+of device work takes the host's time to launch the next: the steady figure is the honest one,
+the buckets by size only roughly so). The share of steady steps queued ahead is printed too.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def summarise(path: str | Path, after: int = 100) -> dict:
         "median_tokens_per_step": round(statistics.median(r["tokens"] for r in train)),
         "steady": {"after_step": after, "time_s": round(sum(_time(r) for r in steady), 1),
                    "mfu": round(_weighted(steady, "mfu"), 5),
-                   "tokens_per_s": round(sum(r["tokens"] for r in steady) / sum(_time(r) for r in steady))},
+                   "tokens_per_s": round(sum(r["tokens"] for r in steady) / sum(_time(r) for r in steady)),
+                   "ahead_share": round(sum(bool(r.get("ahead")) for r in steady) / len(steady), 3)},
         "by_tokens": [], "evals": [],
     }
     edges = list(BUCKETS) + [float("inf")]
@@ -69,7 +73,8 @@ def _print(s: dict) -> None:
     print(f"{s['file']}: {s['steps']} steps, {s['step_time_s']} s of steps; median step {s['median_tokens_per_s']:,} "
           f"tokens/s, MFU {100 * s['median_mfu']:.1f} % ({100 * s['median_mfu_weights']:.1f} % weights), "
           f"{100 * s['share_at_20pct']:.0f} % of steps >= 20 %; after step {st['after_step']}: MFU "
-          f"{100 * st['mfu']:.1f} % time-weighted over {st['time_s']} s, {st['tokens_per_s']:,} tokens/s")
+          f"{100 * st['mfu']:.1f} % time-weighted over {st['time_s']} s, {st['tokens_per_s']:,} tokens/s, "
+          f"{100 * st['ahead_share']:.0f} % of them queued ahead")
     for b in s["by_tokens"]:
         print(f"  {b['from']:>6,}-{'' if b['to'] is None else format(b['to'], ','):<8} tokens: {b['steps']:5d} steps, "
               f"MFU {100 * b['mfu']:5.1f} %, "

@@ -46,6 +46,15 @@ Contract:
   time) exceeds it, named in the notes. With a time budget the cosine schedule follows whichever
   ends first, the steps or the budget, so the learning rate anneals either way; such a run's
   schedule depends on its speed and is not bit-reproducible.
+- The host queues a step and waits for nothing until its metrics are read (loss positions found
+  on the host and moved with the batch through pinned memory). With ``run_ahead`` (one process)
+  it queues step n+1 before it reads step n's metrics, which come back through pinned memory
+  behind step n alone, so that the device never waits while the host prepares and launches a
+  step; not after a process's first step, nor past a step that evaluates or checkpoints, nor past
+  the stop, and the result equals a run that waits for each step (bit-identical on CPU). A step
+  queued when the time budget runs out is finished and counted. A step's time (``tokens_per_s``,
+  ``mfu``) runs from the end of the step before (from its launch when nothing ran before it);
+  ``ahead`` marks the steps queued early.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
   DDP replica of the head and reads its share of each global batch; only rank 0 writes and
   prints, with barriers around checkpoints. Resuming needs the same number of processes.
