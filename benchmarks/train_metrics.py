@@ -1,6 +1,6 @@
 """A training run's throughput and learning curve from its ``metrics.jsonl``, the way RESULTS.md reports them.
 
-    python benchmarks/train_metrics.py METRICS.jsonl [METRICS2.jsonl ...] [--after 100] [--json F]
+    python benchmarks/train_metrics.py METRICS.jsonl[.gz] [METRICS2.jsonl[.gz] ...] [--after 100] [--json F]
 
 Per file: the median step (tokens/s, MFU counting the attention products, MFU by the weights'
 products alone), the share of steps at >= 20 % MFU, and the steady steps (after ``--after``
@@ -16,6 +16,7 @@ the buckets by size only roughly so). The share of steady steps queued ahead is 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -33,7 +34,9 @@ def _weighted(rows: list[dict], key: str) -> float:
 
 
 def summarise(path: str | Path, after: int = 100) -> dict:
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    rows = [json.loads(x) for x in text.splitlines() if x.strip()]
     train = [r for r in rows if r.get("type") == "train"]
     if len(train) <= after:
         raise SystemExit(f"{path}: {len(train)} training steps, not more than --after {after}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -34,5 +35,11 @@ def test_steady_mfu_is_weighted_by_step_time(tmp_path):
         [(8000, 10000, 1, 100.0), (30000, None, 1, 300.0)]
     assert s["evals"] == [{"step": 2, "tokens_m": 0.1, "sim_tau": 2.5, "walk_tau": 2.4, "acc0": 0.6}]
     json.loads(json.dumps(s, allow_nan=False))  # plain JSON: no Infinity
+    assert s["steady"]["ahead_share"] == 0.0
     with pytest.raises(SystemExit, match="not more than --after 3"):
         train_metrics.summarise(tmp_path / "m.jsonl", after=3)
+    # a gzipped copy reads the same; the steps queued ahead are counted
+    rows[-1]["ahead"] = True
+    (tmp_path / "m.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    z = train_metrics.summarise(tmp_path / "m.jsonl.gz", after=1)
+    assert z["steady"]["ahead_share"] == 0.5 and z["steady"]["mfu"] == s["steady"]["mfu"]
