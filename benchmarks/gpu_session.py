@@ -312,7 +312,8 @@ def train_bench(a) -> None:
                 def one():
                     r = bench("default", method, draft=draft, k=k, num_prompts=-(-a.num_prompts // batch) * batch,
                               prompts=a.prompts, max_new_tokens=a.max_new_tokens, batch_size=batch,
-                              loaded=(model, tok), engines=(ar, spec), repeats=a.repeats)
+                              loaded=(model, tok), engines=(ar, spec), repeats=a.repeats,
+                              log=lambda line: print(f"   {method} b{batch} k{k}: {line}", flush=True))
                     results["records"].append(r)
                     return {x: r[x] for x in ("compiled", "tau", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
                                               "step_ms", "ar_step_ms", "verify_step_ms", "draft_step_ms",

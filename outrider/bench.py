@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -191,14 +191,16 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
           loaded: tuple | None = None, graphs: bool | None = None, compile: bool = False,
-          engines: tuple[SpecEngine, SpecEngine] | None = None, repeats: int = 1) -> dict[str, Any]:
+          engines: tuple[SpecEngine, SpecEngine] | None = None, repeats: int = 1,
+          log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure ``method`` against autoregressive decoding on the same prompts; return one record.
 
     ``engines`` = (autoregressive, speculative) engines built earlier on ``loaded``'s model (a
     benchmark sweeping k reuses their caches, CUDA graphs and compiled code; ``k`` is set on
     the speculative one). ``repeats`` > 1 measures that many (autoregressive, method) pairs of
     passes back to back; tokens/s and speedups are then medians over the pairs, step costs and
-    acceptance are pooled, and ``lossless`` must hold in every pass.
+    acceptance are pooled, and ``lossless`` must hold in every pass. ``log`` receives a line as
+    each phase ends (warm-ups, which compile and capture, and passes), with its seconds.
     """
     from outrider.models import load_model
 
@@ -224,12 +226,21 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
         spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
                 if proposer else ar)
+    clock = time.perf_counter()
+
+    def done(what: str) -> None:
+        nonlocal clock
+        if log is not None:
+            log(f"{what}: {time.perf_counter() - clock:.1f} s")
+        clock = time.perf_counter()
+
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         if engine.graphs or engine.compile:  # a batch of the longest requests sizes the pooled cache:
             engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens)  # no capture or
             # compilation inside the timing
         else:
             engine.generate(prompt_ids[:1], min(8, max_new_tokens))
+        done(f"warm-up of the {'autoregressive' if engine.proposer is None else method} engine")
     if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
         _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
@@ -243,9 +254,11 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
     sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens)
     passes = [((ar_out, ar_s, ar_res), (sp_out, sp_s, sp_res))]
-    for _ in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
+    done(f"pass 1 of {repeats}")
+    for i in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
         passes.append((_run(ar, prompt_ids, batch_size, max_new_tokens),
                        _run(spec, prompt_ids, batch_size, max_new_tokens)))
+        done(f"pass {i + 2} of {repeats}")
     sp_tokens = sum(len(t) for t in sp_out)
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])

@@ -59,3 +59,17 @@ def test_bench_missing_target_folder(tmp_path, capsys):
     rc = cli_main(["bench", str(tmp_path / "missing"), "--method", "ngram"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "missing" in err
+
+
+def test_bench_logs_each_phase_as_it_ends(tiny_dir, prompts):
+    """``log`` hears of the warm-ups (where compilation and capture happen) and of every pass, in
+    order, so that a benchmark cut by a time limit still says how far it got."""
+    from outrider.bench import bench
+
+    lines: list[str] = []
+    record = bench(str(tiny_dir("llama")), "ngram", k=2, num_prompts=2, prompts=str(prompts), max_new_tokens=6,
+                   repeats=2, log=lines.append)
+    assert record["lossless"] is True
+    assert [line.split(":")[0] for line in lines] == ["warm-up of the autoregressive engine",
+                                                      "warm-up of the ngram engine", "pass 1 of 2", "pass 2 of 2"]
+    assert all(line.endswith(" s") for line in lines)
