@@ -9,8 +9,9 @@ step's time; then the steady steps by real tokens per step (count, time-weighted
 time) and the evaluations (step, tokens seen, simulated and walked tau, step-0 accuracy).
 A step's time is its tokens over its tokens/s, as the trainer measured it (from the end of the
 step before as the host saw it; with steps queued ahead, ``ahead`` in the records, a step short
-of device work takes the host's time to launch the next: the steady figure is the honest one,
-the buckets by size only roughly so). The share of steady steps queued ahead is printed too.
+of device work takes the host's time to launch the next, so the time-weighted steady figure is
+the sound one; the median step, the share of steps at >= 20 % and the buckets by size are only
+roughly so). The share of steady steps queued ahead is printed too.
 """
 
 from __future__ import annotations

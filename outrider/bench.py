@@ -244,6 +244,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
         _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+        done("warm-up of transformers' generate")
         ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
         for i in range(0, len(prompt_ids), batch_size):
             out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens)

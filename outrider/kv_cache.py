@@ -348,8 +348,8 @@ class CachedLM:
     holds the captured hidden states ``[batch, n, len(ids) * hidden]`` of the same forward.
     With ``compile`` the plain step is compiled (and captured per width with ``graphs``); so is
     the forward over given positions and masks (prompts) when ``compile_prefill`` (off by default:
-    on the H200 its compilation, dynamic in every size, outlasted two benchmark calls of 170 and
-    440 s), once, dynamic in its sizes.
+    its compilation, dynamic in every size, took 130 s on a 2-core CPU for the default model and
+    is the likely reason two H200 benchmark calls ran past 170 and 440 s), once, dynamic in its sizes.
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,

@@ -134,9 +134,10 @@ def cuda_training(tmp_path_factory):
                                    {"compile_head": True},
                                    {"graph_target": True},
                                    {"compile_head": True, "ttt_attention": "flex"},
+                                   {"graph_target": True, "compile_head": True},
                                    {"graph_target": True, "compile_head": True, "run_ahead": False}],
                          ids=["triton-loss", "compiled-loss", "compiled-head", "graphed-target", "flex-attention",
-                              "step-by-step"])
+                              "graphed-compiled", "graphed-compiled-step-by-step"])
 def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
     report, losses = cuda_training("-".join(f"{k}={v}" for k, v in flags.items()), **flags)
     _, eager = cuda_training("eager")

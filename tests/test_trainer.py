@@ -202,6 +202,53 @@ def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight
         CFG.replace(run_ahead="yes")
 
 
+def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
+    from outrider.train import dist
+    from outrider.train.trainer import _Cursor
+
+    cursor = _Cursor(load_dataset(env["data"]), CFG, dist.init_from_env("cpu"), CFG.seed)
+    want = []
+    for _ in range(CFG.steps):
+        for _ in range(CFG.grad_accum):
+            cursor.next()
+        want.append(cursor.epoch)
+    assert 1 in want and [r["epoch"] for r in _train_records(straight[0])] == want
+
+
+def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp_path, monkeypatch):
+    from outrider.train.trainer import _Trainer
+
+    monkeypatch.setattr(_Trainer, "_over_budget", lambda self, train_s: self.step >= 5)  # step 6 is queued then
+    out = tmp_path / "budget-queued"
+    report = train(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e9), progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert [r["ahead"] for r in records if r["type"] == "train"][-1] is True
+    assert [r["step"] for r in records if r["type"] == "eval"] == [4, 6]
+    assert report.steps == 6 and any("at step 6 of 12" in n for n in report.notes)
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 6
+
+
+def test_a_non_finite_step_read_with_the_next_queued_keeps_the_last_checkpoint(env, tmp_path, monkeypatch):
+    from outrider.train.trainer import _Trainer
+
+    launch = _Trainer._launch_step
+
+    def nan_grad_norm_at_step_5(self, objective):
+        launched = launch(self, objective)
+        if self.step == 4 and not getattr(self, "_spoiled", False):  # the launch of step 5
+            self._spoiled = True
+            launched.sums.stage(torch.tensor([float("nan")]))
+        return launched
+
+    monkeypatch.setattr(_Trainer, "_launch_step", nan_grad_norm_at_step_5)
+    out = tmp_path / "nan-queued"
+    with pytest.raises(UserError, match="non-finite gradient norm at step 5.*intact"):
+        train(env["target"], env["data"], str(out), config=CFG, progress=False)
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 3  # save_every 3
+    assert [r["step"] for r in _train_records(out)] == [1, 2, 3, 4]
+
+
 def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
     cfg = CFG.replace(batch_tokens=120, steps=10, eval_every=5, save_every=5)  # ~3 sequences of <= 48 tokens
     ref = train(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False)

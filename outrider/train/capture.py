@@ -111,15 +111,22 @@ class TargetCapture:
         if self.graphs and input_ids.numel() <= self.max_tokens:
             return self._replay(input_ids, attention_mask)
         try:
-            aux, teacher = self._forward(input_ids, attention_mask, real_positions(attention_mask))
+            aux, teacher = self._forward(input_ids, attention_mask)
         finally:
             self.aux_capture.states.clear()
         return Captured(aux=aux, teacher=teacher)
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False)
+    def _additive_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[batch, S] 0/1 -> [batch, 1, S, S] additive mask in the weights' dtype. Given to the
+        model as is, it spares transformers' check of a 2-D mask for padding, a host round trip."""
+        dtype = self.weight.dtype
+        B, S = attention_mask.shape
+        return torch.zeros(B, 1, S, S, dtype=dtype, device=attention_mask.device).masked_fill_(
+            ~context_mask(attention_mask.bool()), torch.finfo(dtype).min)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.decoder(input_ids=input_ids, attention_mask=self._additive_mask(attention_mask),
+                           position_ids=real_positions(attention_mask), use_cache=False)
         final = out.last_hidden_state  # [batch, seq, H_t], after the final norm
         aux = self.aux_capture.concat()  # [batch, seq, 3*H_t]
         teacher = final.new_empty(*final.shape[:2], self.weight.shape[0])  # [batch, seq, draft_vocab]
@@ -142,13 +149,9 @@ class TargetCapture:
                    teacher: torch.Tensor) -> None:
         """The forward a graph records: aux [batch, seq, 3*H_t] and teacher [batch, seq, draft_vocab]
         written into the given tensors, with an explicit 4-D mask (no host synchronisation)."""
-        B, S = input_ids.shape
-        dtype = self.weight.dtype
-        mask = torch.zeros(B, 1, S, S, dtype=dtype, device=input_ids.device).masked_fill_(
-            ~context_mask(attention_mask.bool()), torch.finfo(dtype).min)  # [B, 1, S, S] additive
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=real_positions(attention_mask),
-                               use_cache=False)
+            out = self.decoder(input_ids=input_ids, attention_mask=self._additive_mask(attention_mask),
+                               position_ids=real_positions(attention_mask), use_cache=False)
             self.aux_capture.concat(out=aux)
         finally:
             self.aux_capture.states.clear()

@@ -731,7 +731,7 @@ def to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool = 
     """``t`` on ``device``; a host tensor bound for CUDA with ``non_blocking`` goes through pinned
     memory, so that the copy is queued behind the device's work instead of waiting for it."""
     if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
-        t = t.pin_memory()
+        t = t.contiguous().pin_memory()  # a strided pinned copy would be staged through pageable memory
     return t.to(device, non_blocking=non_blocking)
 
 

@@ -46,15 +46,16 @@ Contract:
   time) exceeds it, named in the notes. With a time budget the cosine schedule follows whichever
   ends first, the steps or the budget, so the learning rate anneals either way; such a run's
   schedule depends on its speed and is not bit-reproducible.
-- The host queues a step and waits for nothing until its metrics are read (loss positions found
-  on the host and moved with the batch through pinned memory). With ``run_ahead`` (one process)
+- The host queues a step without waiting for the device (loss positions found on the host and
+  moved with the batch through pinned memory; an explicit 4-D mask for the target; on one
+  process, and as far as the target's own forward allows: a routed MoE layer may wait). With ``run_ahead`` (one process)
   it queues step n+1 before it reads step n's metrics, which come back through pinned memory
   behind step n alone, so that the device never waits while the host prepares and launches a
   step; not after a process's first step, nor past a step that evaluates or checkpoints, nor past
   the stop, and the result equals a run that waits for each step (bit-identical on CPU). A step
   queued when the time budget runs out is finished and counted. A step's time (``tokens_per_s``,
-  ``mfu``) runs from the end of the step before (from its launch when nothing ran before it);
-  ``ahead`` marks the steps queued early.
+  ``mfu``) runs from the end of the step before, in either mode (from its launch after an
+  evaluation or a checkpoint); ``ahead`` marks the steps queued early.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
   DDP replica of the head and reads its share of each global batch; only rank 0 writes and
   prints, with barriers around checkpoints. Resuming needs the same number of processes.
@@ -820,16 +821,17 @@ class _Trainer:
     def _steps(self, objective: nn.Module):
         """Runs optimizer steps until ``stop_at`` (which the caller may lower as it goes), yielding
         ``(launched, metrics, counted, queued, dt)`` as each step's metrics are read; ``queued``:
-        the steps queued after it; ``dt``: its seconds on the device's clock as the host sees it
-        (from the end of the step before, or from its launch when nothing ran before it).
+        the steps queued after it; ``dt``: its seconds as the host sees them, from the end of the
+        step before (the host's work between steps included, whether or not it overlapped the
+        device's), or from its launch after an evaluation or a checkpoint and for the first step.
 
         With ``run_ahead`` on one process the host queues step n+1 before it waits for step n's
         metrics, so that the device does not idle while the host prepares a batch and launches its
-        kernels. Never for a process's first step (it compiles), nor past a step that evaluates or
-        checkpoints (those see every queued update applied, nothing more), nor past ``stop_at``, nor
-        when the last step's time would use up the time budget.
+        kernels. Never for the first step of this call (it compiles), nor past a step that
+        evaluates or checkpoints (those see every queued update applied, nothing more), nor past
+        ``stop_at``, nor when the last step's time would use up the time budget.
         """
-        cfg, queue, done, dt = self.config, [], 0.0, 0.0
+        cfg, queue, done, dt = self.config, [], None, 0.0
         ahead = cfg.run_ahead and not self.env.distributed
         while self.step < self.stop_at:
             if not queue:
@@ -842,19 +844,23 @@ class _Trainer:
             launched = queue.pop(0)
             m, counted = self._finish_step(launched)
             now = time.perf_counter()
-            dt, done = now - max(launched.t0, done), now
+            dt, done = now - (launched.t0 if done is None else done), now
             yield launched, m, counted, len(queue), dt
+            if self.step % cfg.eval_every == 0 or self.step % cfg.save_every == 0:
+                done = None  # the evaluation's or the checkpoint's time is no step's
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
         """One optimizer step, queued and then read."""
         return self._finish_step(self._launch_step(objective))
 
     def _launch_step(self, objective: nn.Module) -> _Launched:
-        """Queues one optimizer step. The host waits for nothing: the loss positions are found on the
-        host and travel with the batch, and the metrics start their way back behind the step."""
+        """Queues one optimizer step. The loss positions are found on the host and travel with the
+        batch, and the metrics start their way back behind the step: on one process with a graphed
+        or dense target the host waits for nothing here (ranks exchange their counts first)."""
         env, cfg = self.env, self.config
-        t0, epoch = time.perf_counter(), self.cursor.epoch
+        t0 = time.perf_counter()
         micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
+        epoch = self.cursor.epoch  # the epoch of this step's last micro-batch, as the step reads it
         index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
         counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
         pairs = sum(flops.causal_pairs(b.attention_mask.sum(1).tolist()) for b in micro)  # attention pairs
