@@ -7,8 +7,9 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
 (only throughput is measured here, so the assistant turns need not be the target's), then runs ``train`` for
 ``--steps`` optimizer steps per variant of the ``full`` preset:
 
-- ``full``: the preset as it is (length-grouped batches, the loss in one-pass Triton kernels, the
-  head's step around its attention ``torch.compile``d);
+- ``full``: the preset as it is (length-grouped batches, short neighbours joined up to 16,384
+  padded tokens, the loss in one-pass Triton kernels, the head's step around its attention
+  ``torch.compile``d, the target's forward as CUDA graphs, each step queued before the last is read);
 - ``compiled-loss``: ``loss_kernel = "compile"`` (the loss fused by ``torch.compile`` instead);
 - ``plain-batches``: ``group_by_length = 0`` (batches of random lengths, padded to the longest);
 - ``eager-loss``: ``compile = false``;
@@ -17,6 +18,7 @@ Uses the token dataset DIR, or builds one from the conversation file F without r
   replayed as a CUDA graph per batch shape);
 - ``flex-attention``: ``ttt_attention = "flex"`` (the unrolled steps' attention in
   ``flex_attention``, only the mask's non-empty blocks);
+- ``no-floor``: ``min_batch_tokens = 0`` (short batches not joined);
 - ``sync-steps``: ``run_ahead = false`` (the host waits for each step's metrics before it queues
   the next step, instead of one step ahead);
 - ``bsN``: the preset with ``batch_size = N``;
@@ -67,6 +69,7 @@ _CHANGES = {
     "eager-target": {"graph_target": False},
     "flex-attention": {"ttt_attention": "flex"},
     "sync-steps": {"run_ahead": False},
+    "no-floor": {"min_batch_tokens": 0},
 }
 
 

@@ -1,5 +1,5 @@
 # Trains a head on /tmp/run/${DATA:-data-all} for BUDGET seconds with the `full` preset changed by
-# SETTINGS (JSON members, e.g. '"min_batch_tokens": 16384'), from INIT if set, in its own folder
+# SETTINGS (JSON members, e.g. '"max_length": 512'), from INIT if set, in its own folder
 # /tmp/run/${RUN:-run1} (a second run on a warm machine takes another RUN); the head comes back in
 # parts ($OUT/head.tar.*: `cat head.tar.* | tar x`), with the metrics and the config.
 . benchmarks/device/env.sh
