@@ -47,12 +47,13 @@ Contract:
   ends first, the steps or the budget, so the learning rate anneals either way; such a run's
   schedule depends on its speed and is not bit-reproducible.
 - The host queues a step without waiting for the device (loss positions found on the host and
-  moved with the batch through pinned memory; an explicit 4-D mask for the target; on one
-  process, and as far as the target's own forward allows: a routed MoE layer may wait). With ``run_ahead`` (one process)
-  it queues step n+1 before it reads step n's metrics, which come back through pinned memory
-  behind step n alone, so that the device never waits while the host prepares and launches a
-  step; not after a process's first step, nor past a step that evaluates or checkpoints, nor past
-  the stop, and the result equals a run that waits for each step (bit-identical on CPU). A step
+  moved with the batch through pinned memory; an explicit 4-D mask for the target), on one
+  process and as far as the target's own forward allows (a routed MoE layer may wait). With
+  ``run_ahead`` (one process) it queues step n+1 before it reads step n's metrics, which come
+  back through pinned memory behind step n alone, so that the device does not wait while the
+  host prepares and launches a step; not for a run's first step, nor past a step that evaluates
+  or checkpoints, nor past the stop, and the result equals a run that waits for each step
+  (bit-identical on CPU). A step
   queued when the time budget runs out is finished and counted. A step's time (``tokens_per_s``,
   ``mfu``) runs from the end of the step before, in either mode (from its launch after an
   evaluation or a checkpoint); ``ahead`` marks the steps queued early.
