@@ -268,6 +268,11 @@ def pack_head(head_dir: str | Path, out: Path, part_bytes: int = 15 << 20) -> di
     return {"bytes": len(data), "parts": _parts(data, out, "head.tar", part_bytes)}
 
 
+def _print_summary(results: dict) -> None:
+    """The results without the bench's full records, as the call's last line."""
+    print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
+
+
 def train_bench(a) -> None:
     from outrider.bench import build_proposer
     from outrider.export import export
@@ -286,7 +291,7 @@ def train_bench(a) -> None:
 
         _stage(results, "train", path, run_train)
         if "error" in results["train"]:  # what lies in the work folder is not this run's: send nothing back
-            print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
+            _print_summary(results)
             return
         (Path(a.out) / "train-metrics.jsonl").write_text((Path(a.work) / "train" / "metrics.jsonl").read_text())
 
@@ -324,7 +329,7 @@ def train_bench(a) -> None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         prompts = load_prompts(tok, a.prompts, a.hf_prompts)
         _stage(results, "hf_static_compiled", path, lambda: _hf_static(model, prompts, a.max_new_tokens, eos, pad)[0])
-    print(json.dumps({k: v for k, v in results.items() if k != "records"}, default=str)[:6000])
+    _print_summary(results)
 
 
 def main():

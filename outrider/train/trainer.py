@@ -53,10 +53,9 @@ Contract:
   back through pinned memory behind step n alone, so that the device does not wait while the
   host prepares and launches a step; not for a run's first step, nor past a step that evaluates
   or checkpoints, nor past the stop, and the result equals a run that waits for each step
-  (bit-identical on CPU). A step
-  queued when the time budget runs out is finished and counted. A step's time (``tokens_per_s``,
-  ``mfu``) runs from the end of the step before, in either mode (from its launch after an
-  evaluation or a checkpoint); ``ahead`` marks the steps queued early.
+  (bit-identical on CPU). A step queued when the time budget runs out is finished and counted. A
+  step's time (``tokens_per_s``, ``mfu``) runs from the end of the step before, in either mode
+  (from its launch after an evaluation or a checkpoint); ``ahead`` marks the steps queued early.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
   DDP replica of the head and reads its share of each global batch; only rank 0 writes and
   prints, with barriers around checkpoints. Resuming needs the same number of processes.
@@ -838,8 +837,8 @@ class _Trainer:
             if not queue:
                 queue.append(self._launch_step(objective))
             last = self.step + len(queue)  # the number the last queued step will have
-            if (ahead and dt > 0 and len(queue) == 1 and last < self.stop_at and last % cfg.eval_every
-                    and last % cfg.save_every and not (cfg.time_budget_s and self.train_s + dt >= cfg.time_budget_s)):
+            if (ahead and dt > 0 and len(queue) == 1 and last < self.stop_at and not self._pauses_at(last)
+                    and not (cfg.time_budget_s and self.train_s + dt >= cfg.time_budget_s)):
                 queue.append(self._launch_step(objective))
                 queue[-1].ahead = True
             launched = queue.pop(0)
@@ -847,8 +846,12 @@ class _Trainer:
             now = time.perf_counter()
             dt, done = now - (launched.t0 if done is None else done), now
             yield launched, m, counted, len(queue), dt
-            if self.step % cfg.eval_every == 0 or self.step % cfg.save_every == 0:
+            if self._pauses_at(self.step):
                 done = None  # the evaluation's or the checkpoint's time is no step's
+
+    def _pauses_at(self, step: int) -> bool:
+        """Does the run evaluate or checkpoint after ``step`` on the config's schedule?"""
+        return step % self.config.eval_every == 0 or step % self.config.save_every == 0
 
     def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
         """One optimizer step, queued and then read."""
