@@ -33,7 +33,7 @@ from step_probe import _timed, default_shape_model, random_head
 REPLAYS = 200
 
 
-def _kernel_table(fn, n: int) -> tuple[str, float]:
+def _kernel_table(fn, n: int, rows: int = 40) -> tuple[str, float]:
     """Profiler table of ``n`` calls of ``fn`` and its CUDA kernels per call."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
@@ -41,7 +41,7 @@ def _kernel_table(fn, n: int) -> tuple[str, float]:
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), kernels / n
+    return events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90), kernels / n
 
 
 def verify_tables(rounds, mode: str, k: int, out_dir: Path) -> dict:

@@ -369,12 +369,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="train-bench: (AR, method) pass pairs per row")
     ap.add_argument("--hf-static", action="store_true", help="train-bench: end with transformers' static-cache "
                     "compiled generate")
+    ap.add_argument("--static-shapes", action="store_true", help="compiled steps specialise on every shape "
+                    "(kv_cache.STATIC_SHAPES) instead of turning dynamic after a change")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="data, train-bench: 'cpu' (float32) for a dry run of a device session's scripts")
     a = ap.parse_args()
     if a.device == "cpu" and a.phase == "speed":
         raise SystemExit("the speed phase times CUDA graphs: it runs on cuda only")
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.static_shapes:
+        from outrider import kv_cache
+
+        kv_cache.STATIC_SHAPES = True
     {"speed": speed, "data": data_phase, "train-bench": train_bench}[a.phase](a)
     if _FAILED:
         raise SystemExit(f"failed stages: {', '.join(_FAILED)} (their errors are in the results)")

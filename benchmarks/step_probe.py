@@ -11,12 +11,15 @@ For each mode of building the target's step,
               first, later widths recompiled with dynamic shapes: ``dynamic=None``; weights
               frozen, projections of one input folded: ``kv_cache.FREEZE_WEIGHTS``);
     unfrozen  the same without frozen weights;
-    static    graphs of a step compiled once per shape (``dynamic=False``),
+    static    graphs of a step compiled once per shape (``dynamic=False``), weights frozen;
+    autotune  static, with inductor's GEMM autotuning (Triton templates against cuBLAS),
 
 it times the replay of the target's graph per width (200 replays, CUDA events), then runs the
 engine (plain greedy, and EAGLE-3 k chained drafts per round in device rounds and one step per
-host synchronisation) and reports its per-step spans. With random weights drafts are rejected,
-so the engine's figures are costs per round, not speedups. Writes ``$OUT/step-probe.json``.
+host synchronisation; ``--engine`` picks) and reports its per-step spans. With random weights
+drafts are rejected, so the engine's figures are costs per round, not speedups. Writes
+``$OUT/step-probe.json``; with ``--tables`` also the kernel table of each width's graph
+(``$OUT/step-kernels-<mode>-w<n>.txt``) and its kernels per replay.
 """
 
 from __future__ import annotations
@@ -57,12 +60,26 @@ def random_head(model: torch.nn.Module, draft_vocab: int = 32000) -> Eagle3Head:
 def _set_mode(mode: str) -> None:
     """Point the engine's shared compiled step at a fresh compilation for this mode."""
     torch._dynamo.reset()
-    kv_cache._compiled_step.cache_clear()
+    _ORIGINAL.cache_clear()
     kv_cache.FREEZE_WEIGHTS = mode != "unfrozen"
-    if mode == "static":
-        kv_cache._compiled_step = lambda backend: torch.compile(kv_cache._plain_step, backend=backend, dynamic=False)
+    if mode in ("static", "autotune"):
+        step = kv_cache.compiled(kv_cache._plain_step, "inductor", dynamic=False)
+        if mode == "autotune":
+            step = _autotuned(step)
+        kv_cache._compiled_step = lambda backend: step
     else:
         kv_cache._compiled_step = _ORIGINAL
+
+
+def _autotuned(step):
+    """``step`` compiled with inductor's GEMM autotuning (the setting must hold while it compiles)."""
+    import torch._inductor.config as inductor
+
+    def run(*args, **kwargs):
+        with inductor.patch(max_autotune_gemm=True, max_autotune_gemm_backends="ATEN,TRITON"):
+            return step(*args, **kwargs)
+
+    return run
 
 
 _ORIGINAL = kv_cache._compiled_step
@@ -78,7 +95,7 @@ def _timed(fn, n: int) -> float:
     return start.elapsed_time(end) / n
 
 
-def target_widths(model, mode: str, widths: list[int], prompt_len: int, aux) -> dict:
+def target_widths(model, mode: str, widths: list[int], prompt_len: int, aux, tables: Path | None) -> dict:
     lm = kv_cache.CachedLM(model, 1, 2048, aux_layer_ids=aux, graphs=True, compile=mode != "eager")
     ids = torch.randint(100, 40000, (1, prompt_len), device="cuda")
     lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
@@ -91,20 +108,29 @@ def target_widths(model, mode: str, widths: list[int], prompt_len: int, aux) -> 
         build_s = time.perf_counter() - t
         graph = lm._graphs[n][0]
         out[n] = {"replay_ms": _timed(graph.replay, REPLAYS), "build_s": round(build_s, 1)}
-        print(f"  {mode} width {n}: {out[n]['replay_ms']:.3f} ms (built in {build_s:.1f} s)", flush=True)
+        if tables is not None:
+            from draft_probe import _kernel_table
+
+            table, out[n]["kernels"] = _kernel_table(graph.replay, 20, rows=100)
+            (tables / f"step-kernels-{mode}-w{n}.txt").write_text(f"== {mode}, width {n}, 20 replays\n{table}")
+        print(f"  {mode} width {n}: " + ", ".join(f"{a} {b}" for a, b in out[n].items()), flush=True)
     lm.close()
     return out
 
 
-def engine_spans(model, head, mode: str, k: int, prompt: list[int], max_new: int) -> dict:
+ENGINE_RUNS = {"ar": (False, 8), "eagle3-rounds": (True, 8), "eagle3-steps": (True, 0)}  # name -> (drafts, rounds)
+
+
+def engine_spans(model, head, mode: str, k: int, prompt: list[int], max_new: int, names: list[str]) -> dict:
     compile = mode != "eager"
     out = {}
-    runs = [("ar", None, 8), ("eagle3-rounds", k, 8), ("eagle3-steps", k, 0)]
-    for name, kk, rounds in runs:
+    for name in names:
+        drafts, rounds = ENGINE_RUNS[name]
+        kk = k if drafts else None
         prop = Eagle3Proposer(head, model) if kk else None
-        if prop is not None and mode == "static":
-            prop._fused["inductor"] = tuple(torch.compile(f, dynamic=False)
-                                            for f in (prop._step_body, prop._draw_greedy, _right_align))
+        if prop is not None and mode in ("static", "autotune"):
+            prop._fused["inductor"] = tuple(kv_cache.compiled(f, "inductor", dynamic=False) for f in (
+                prop._step_body, prop._draw_greedy, _right_align, prop._link_greedy))
         eng = SpecEngine(model, prop, k=kk or 4, graphs=True, compile=compile, rounds=rounds)
         t = time.perf_counter()
         eng.generate([prompt], 2 * (k + 1) * 9)  # capture (and compile) every graph of the run
@@ -127,6 +153,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,dynamic,unfrozen,static")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--engine", default=",".join(ENGINE_RUNS), help="engine runs per mode (empty: none)")
+    ap.add_argument("--tables", action="store_true", help="write each width's kernel table")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +167,10 @@ def main() -> None:
         _set_mode(mode)
         print(f"== {mode}", flush=True)
         results[mode] = {"target_widths": target_widths(model, mode, [int(w) for w in a.widths.split(",")],
-                                                        a.prompt_len, aux)}
-        results[mode]["engine"] = engine_spans(model, head, mode, a.k, prompt, a.max_new)
+                                                        a.prompt_len, aux, out if a.tables else None)}
+        atomic_write_json(out / "step-probe.json", results)
+        results[mode]["engine"] = engine_spans(model, head, mode, a.k, prompt, a.max_new,
+                                               [x for x in a.engine.split(",") if x])
         atomic_write_json(out / "step-probe.json", results)
     print(json.dumps(results))
 

@@ -297,6 +297,7 @@ def _compiled_step(backend: str):
 
 
 FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)
+STATIC_SHAPES = False  # compiled steps specialise on every shape (one compilation per width, batch, cache size)
 
 
 def backend_of(compile: bool | str) -> str | None:
@@ -307,8 +308,10 @@ def backend_of(compile: bool | str) -> str | None:
 
 def compiled(fn: Callable, backend: str, dynamic: bool | None = None) -> Callable:
     """``fn`` compiled by ``torch.compile`` with ``backend``; shapes become dynamic after their
-    first change (``dynamic=True``: from the start), and the recompilation limit is raised for the
-    widths and batch sizes we use.
+    first change (``dynamic=True``: from the start; ``False``, or ``None`` under ``STATIC_SHAPES``:
+    never, one compilation per shape), and the recompilation limit is raised for the widths and
+    batch sizes we use. ``STATIC_SHAPES`` is read here, when a function is compiled: set it before
+    the first compiled step of the process.
 
     For inference only: with inductor and ``FREEZE_WEIGHTS`` the weights are frozen into the
     compiled code, which lets inductor fold the projections that read one input into one matrix
@@ -322,6 +325,8 @@ def compiled(fn: Callable, backend: str, dynamic: bool | None = None) -> Callabl
     import torch._inductor.config
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if dynamic is None and STATIC_SHAPES:
+        dynamic = False
     step = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
     if backend != "inductor" or not FREEZE_WEIGHTS:
         return step
