@@ -2,7 +2,8 @@
 
     python benchmarks/draft_probe.py --out $OUT [--k 5] [--modes eager,compiled]
 
-A randomly initialised model of the default model's shape and a random head (``step_probe``).
+A randomly initialised model of the default model's shape and a random head (``step_probe``;
+``--head HEAD``: the default model and a trained head).
 For each mode (CUDA graphs of eager kernels; of the ``torch.compile``-fused draft step), the
 engine runs greedy EAGLE-3 device rounds once to capture its two graphs; then the draft graph
 (the pending step over k+1 verified positions, k-1 chain steps, k greedy draws) is replayed
@@ -28,7 +29,7 @@ from outrider.engine import SpecEngine
 from outrider.fsutil import atomic_write_json
 from outrider.proposers.eagle3 import Eagle3Proposer
 
-from step_probe import _timed, default_shape_model, random_head
+from step_probe import _timed, probe_models
 
 REPLAYS = 200
 
@@ -111,11 +112,12 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--verify", action="store_true", help="also profile the verification's side")
+    ap.add_argument("--head", default=None, help="a trained head: the default model itself and this head "
+                    "instead of random weights")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = default_shape_model()
-    head = random_head(model)
+    model, head = probe_models(args.head)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist()
     results = {"device": torch.cuda.get_device_name(), "k": args.k}

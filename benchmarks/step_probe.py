@@ -3,7 +3,8 @@
     python benchmarks/step_probe.py --out $OUT [--widths 1,2,6] [--k 5] [--modes eager,dynamic,unfrozen,static]
 
 A randomly initialised model of the default model's shape (SmolLM2-135M: 30 layers, hidden 576)
-and a random EAGLE-3 head (draft vocabulary 32000): step costs do not depend on the weights.
+and a random EAGLE-3 head (draft vocabulary 32000): step costs do not depend on the weights;
+``--head HEAD`` takes the default model itself and a trained head instead (drafts accepted).
 For each mode of building the target's step,
 
     eager     CUDA graphs of eager kernels;
@@ -55,6 +56,21 @@ def random_head(model: torch.nn.Module, draft_vocab: int = 32000) -> Eagle3Head:
     t2d[:draft_vocab] = True
     head.set_vocab(torch.zeros(draft_vocab, dtype=torch.long), t2d)
     return head.cuda().to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def probe_models(head_path: str | None) -> tuple[torch.nn.Module, Eagle3Head]:
+    """The default model's shape with random weights and a random head; with ``head_path`` the
+    default model itself (``OUTRIDER_HOME``) and that trained head, whose drafts get accepted."""
+    if head_path is None:
+        model = default_shape_model()
+        return model, random_head(model)
+    from outrider.export import load_head
+    from outrider.models import load_model
+
+    model, _ = load_model("default", device="cuda", dtype="bfloat16", with_tokenizer=False)
+    head, _ = load_head(head_path, target_config=model.config)
+    return (model.eval().requires_grad_(False),
+            head.cuda().to(torch.bfloat16).eval().requires_grad_(False))
 
 
 def _set_mode(mode: str) -> None:
@@ -155,11 +171,12 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--engine", default=",".join(ENGINE_RUNS), help="engine runs per mode (empty: none)")
     ap.add_argument("--tables", action="store_true", help="write each width's kernel table")
+    ap.add_argument("--head", default=None, help="a trained head: the default model itself and this head "
+                    "instead of random weights")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = default_shape_model()
-    head = random_head(model)
+    model, head = probe_models(a.head)
     aux = tuple(head.config.aux_layer_ids)
     prompt = torch.randint(100, 40000, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

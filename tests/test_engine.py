@@ -269,3 +269,39 @@ def test_bad_prompts_are_user_errors(tiny_models, bad):
 def test_k_must_be_positive(tiny_models):
     with pytest.raises(UserError):
         SpecEngine(tiny_models("llama"), NgramProposer(), k=0)
+
+
+def test_static_shapes_compile_every_width_and_keep_the_logits(tiny_models, monkeypatch):
+    """``kv_cache.STATIC_SHAPES``: the compiled step specialises on each width (1, 3, 4: three
+    compilations, where the default's turn dynamic at the second width and serve the third), and
+    its logits equal the eager step's."""
+    from torch._dynamo.utils import counters
+
+    from outrider import kv_cache
+
+    model = tiny_models("llama")
+    ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(3))
+    compiled_graphs = {}
+    try:
+        for static in (False, True):
+            monkeypatch.setattr(kv_cache, "STATIC_SHAPES", static)
+            torch._dynamo.reset()
+            kv_cache._compiled_step.cache_clear()
+            lms = [kv_cache.CachedLM(model, 1, 64, read_len="max", compile=c) for c in (False, "inductor")]
+            for lm in lms:
+                lm.forward(ids[:, :5], query_valid=torch.ones(1, 5, dtype=torch.bool))
+                lm.commit(torch.ones(1, 5, dtype=torch.bool))
+            before = counters["stats"]["unique_graphs"]
+            start = 5
+            for n in (1, 3, 4):
+                step = ids[:, start:start + n].clone()  # a slice's storage offset would be guarded on
+                want, got = (lm.forward(step) for lm in lms)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                for lm in lms:
+                    lm.commit(torch.ones(1, n, dtype=torch.bool))
+                start += n
+            compiled_graphs[static] = counters["stats"]["unique_graphs"] - before
+    finally:  # later tests get the default compilation back
+        torch._dynamo.reset()
+        kv_cache._compiled_step.cache_clear()
+    assert compiled_graphs == {False: 2, True: 3}
