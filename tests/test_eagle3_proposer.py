@@ -9,7 +9,7 @@ import torch
 from outrider.engine import SpecEngine
 from outrider.head import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
-from outrider.proposers.eagle3 import SLOT_ALIGN, Eagle3Proposer, HeadCache
+from outrider.proposers.eagle3 import SLOT_ALIGN, Eagle3Proposer, HeadCache, _pad_left
 from outrider.sampling import SamplingParams
 
 MAX_NEW = 20
@@ -73,6 +73,42 @@ def test_first_draft_equals_full_recomputation(tiny_kind, tiny_models):
         assert int(head.map_to_target(logits[0, -1].argmax())) == first
 
 
+def _drafts(proposer: Eagle3Proposer) -> list:
+    """Every draft ``proposer.propose`` returns from now on, as lists of tokens."""
+    seen, propose = [], proposer.propose
+
+    def recording(k):
+        draft = propose(k)
+        seen.append(draft.tokens.tolist())
+        return draft
+
+    proposer.propose = recording
+    return seen
+
+
+def test_a_prompt_block_padded_on_the_left_drafts_the_same(tiny_kind, tiny_models):
+    """With graphs a prompt's pending block is padded on the left to a multiple of 64 positions
+    (``_pad_left``): the padding is invalid, changes no draft of the request (ragged rows of
+    a batch and one row), and leaves nothing in the head cache that a later draft would read."""
+    model = tiny_models(tiny_kind)
+    drafts = {}
+    for pad in (False, True):
+        proposer = Eagle3Proposer(_head(model), model)
+        if pad:
+            start = proposer.start
+
+            def padded_start(ctx, start=start, proposer=proposer):
+                start(ctx)
+                proposer.pending = _pad_left(proposer.pending, 64)
+
+            proposer.start = padded_start
+        drafts[pad] = _drafts(proposer)
+        engine = SpecEngine(model, proposer, k=3)
+        engine.generate(_prompts(), MAX_NEW)
+        engine.generate(_prompts()[1:2], MAX_NEW)
+    assert len(drafts[False]) > 5 and drafts[True] == drafts[False]
+
+
 def test_sampling_deterministic(tiny_models):
     model = tiny_models("llama")
     s = SamplingParams(temperature=1.0, seed=5)
@@ -88,15 +124,7 @@ def test_compiled_draft_steps_draft_what_eager_steps_draft(tiny_kind, tiny_model
     drafts = {}
     for compile in (False, "aot_eager"):
         proposer = Eagle3Proposer(_head(model), model)
-        seen = drafts[compile] = []
-        propose = proposer.propose
-
-        def recording(k, propose=propose, seen=seen):
-            draft = propose(k)
-            seen.append(draft.tokens.tolist())
-            return draft
-
-        proposer.propose = recording
+        drafts[compile] = _drafts(proposer)
         engine = SpecEngine(model, proposer, k=3, compile=compile, read_len="max", rounds=0)
         assert engine.generate(_prompts()[:2], MAX_NEW).tokens
     assert len(drafts[False]) > 5 and drafts["aot_eager"] == drafts[False]

@@ -61,6 +61,24 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
         assert graphs[0] is not None and graphs[1] is graphs[0]
 
 
+def test_prompt_draft_graph_drafts_what_the_eager_chain_drafts(cuda_models, monkeypatch):
+    """A request's first draft replayed as a graph over its prompt block padded to 64 positions
+    proposes the tokens of the eager chain over the unpadded block (``PROMPT_GRAPH_TOKENS = 0``)."""
+    from outrider.proposers import eagle3
+    from test_eagle3_proposer import _drafts
+
+    model, refs = cuda_models("llama")
+    drafts = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(eagle3, "PROMPT_GRAPH_TOKENS", 4096 if graphed else 0)
+        proposer = Eagle3Proposer(_head(model).cuda(), model)
+        drafts[graphed] = _drafts(proposer)
+        engine = SpecEngine(model, proposer, k=3, graphs=True, rounds=0)
+        assert engine.generate(_prompts(), MAX_NEW).tokens == refs
+        assert any(key[3] for key in proposer._graphs) == graphed  # the prompt's graph, or none
+    assert len(drafts[False]) > 5 and drafts[True] == drafts[False]
+
+
 @pytest.mark.parametrize("kernel", ["compile", "triton"])
 @pytest.mark.parametrize("vocab", [1000, 10000])  # one block of the Triton kernel, and several
 def test_fused_soft_cross_entropy_equals_eager(kernel, vocab):
