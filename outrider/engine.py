@@ -13,7 +13,8 @@ masked (``kv_cache.py``).
 
 On CUDA, ``graphs=True`` replays each target forward width (1 for plain decoding, k+1 for
 verification) as a CUDA graph over a static cache that is reused across calls, and lets the
-proposer capture its own steps (EAGLE-3 does). ``compile=True`` fuses the target step with
+proposer capture its own steps (EAGLE-3 does); prompts are padded to a multiple of 64 positions
+and their forward replayed as a graph per width too (eager kernels; dense targets). ``compile=True`` fuses the target step with
 ``torch.compile`` first (on the CPU it runs compiled without graphs). Plain greedy decoding needs
 no host decision between steps: it runs ``AR_CHUNK`` steps per synchronisation (one graph per
 step that feeds its own argmax back), checking EOS once per chunk. A proposer that works on the
@@ -132,6 +133,7 @@ class SpecEngine:
     """
 
     AR_CHUNK = 8  # plain greedy decoding: device steps per host synchronisation
+    PROMPT_BUCKET = 64  # graphs: prompts padded to a multiple of this width (kv_cache.PREFILL_GRAPH_TOKENS)
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
@@ -204,17 +206,21 @@ class SpecEngine:
         if limit and P + max_new_tokens > limit:
             raise UserError(f"prompt ({P}) + max new tokens ({max_new_tokens}) exceed the target's "
                             f"{limit} positions: shorten the prompt or ask for fewer tokens")
-        max_len = P + (max_new_tokens + 1) * (k + 1) + 1
+        # graphs: prompts padded to a few widths, each one's forward replayed as a graph (padding invalid)
+        width = -(-P // self.PROMPT_BUCKET) * self.PROMPT_BUCKET if self.graphs else P
+        if limit and width > limit:
+            width = P
+        max_len = max(P + (max_new_tokens + 1) * (k + 1) + 1, width)
         aux_ids = self.proposer.aux_layer_ids if self.proposer is not None else None
         target = self._target_lm(B, max_len, aux_ids)
         rand = RowRandom(B, self.sampling.seed, stream=0)
         result = GenerationResult(tokens=[[] for _ in range(B)], k=k, proposed=[0] * k, accepted=[0] * k)
         try:
             t0 = self._clock()
-            ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+            ids = torch.zeros(B, width, dtype=torch.long, device=dev)
             for b, p in enumerate(prompts):
                 ids[b, :len(p)] = torch.tensor([int(t) for t in p], device=dev)
-            valid = torch.arange(P, device=dev)[None, :] < plens[:, None]  # [batch, P]
+            valid = torch.arange(width, device=dev)[None, :] < plens[:, None]  # [batch, width]
             ends, which = torch.unique(plens - 1, return_inverse=True)  # last prompt index per row
             logits = target.forward(ids, query_valid=valid, logits_at=ends)  # [batch, len(ends), vocab]
             target.commit(valid)

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from outrider.models import AuxCapture
-from outrider.slot_attention import using_slot_attention
+from outrider.models import AuxCapture, arch_info
+from outrider.slot_attention import supports, using_slot_attention
 
 
 class SlotLayer(CacheLayerMixin):
@@ -249,6 +249,16 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, poo
     return graph, out
 
 
+def graphable(target: torch.nn.Module) -> bool:
+    """Whether a graphed forward over many new tokens with one explicit mask computes what the
+    target's own does: a dense target whose every layer attends causally over the full context (a
+    mixture of experts routes through the host or by data-dependent shapes)."""
+    cfg = getattr(target.config, "text_config", None) or target.config
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return (supports(target) and kinds == {"full_attention"} and not arch_info(cfg).is_moe
+            and not getattr(cfg, "attention_chunk_size", None))
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which this transformers version's ``forward`` takes the cache."""
     params = inspect.signature(model.forward).parameters
@@ -296,6 +306,7 @@ def _compiled_step(backend: str):
     return compiled(_plain_step, backend)
 
 
+PREFILL_GRAPH_TOKENS = 8192  # with graphs, prompts of up to this many batch x width positions replay as a graph
 FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)
 STATIC_SHAPES = False  # compiled steps specialise on every shape (one compilation per width, batch, cache size)
 
@@ -375,6 +386,7 @@ class CachedLM:
         self.aux: torch.Tensor | None = None
         self._cache_kw = cache_kwarg(model)
         self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
+        self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}  # (batch, n, m) -> graph, inputs, outputs
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
         self.compile_backend = backend_of(compile)  # of the plain step; None: eager
@@ -414,6 +426,16 @@ class CachedLM:
                 return self._replay(ids)
             logits, self.aux = self._body(ids)
             return logits
+        if self._prefill_graphed(ids, positions, query_valid, new_mask, logits_at):
+            return self._replay_prefill(ids, query_valid, logits_at)
+        logits, self.aux = self._prefill(ids, positions, query_valid, new_mask, logits_at)
+        return logits  # [batch, n or m, vocab]
+
+    def _prefill(self, ids: torch.Tensor, positions: torch.Tensor | None, query_valid: torch.Tensor | None,
+                 new_mask: torch.Tensor | None, logits_at: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """The forward over given positions and masks (defaults: the rows' next positions, all
+        queries valid, causal new tokens) in the reserved slots: (logits, aux)."""
+        B, n = ids.shape
         if positions is None:
             positions = self.cache.lengths[:, None] + torch.arange(n, device=ids.device)
         if query_valid is None:
@@ -425,9 +447,38 @@ class CachedLM:
         # calls that ask one row and calls that ask several would land in timed runs
         one = logits_at is not None and logits_at.shape == (1,)
         with self._hooks():
-            logits, self.aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask,
-                                                logits_at.repeat(2) if one else logits_at)
-        return logits[:, :1] if one else logits  # [batch, n or m, vocab]
+            logits, aux = self._prefill_fn(self, ids, positions.clamp_min(0), mask,
+                                           logits_at.repeat(2) if one else logits_at)
+        return (logits[:, :1] if one else logits), aux  # [batch, n or m, vocab], aux
+
+    def _prefill_graphed(self, ids: torch.Tensor, positions, query_valid, new_mask, logits_at) -> bool:
+        """Replay this forward as a CUDA graph? A prompt's: at the cache's start, default positions
+        and causal mask, some logits asked, at most ``PREFILL_GRAPH_TOKENS`` batch x width
+        positions, a ``graphable`` model, eager kernels (not with ``compile_prefill``)."""
+        return (self.graphs and self.cache.ptr == 0 and positions is None and new_mask is None
+                and logits_at is not None and ids.numel() <= PREFILL_GRAPH_TOKENS
+                and self._prefill_fn is _prefill_step and graphable(self.model))
+
+    def _replay_prefill(self, ids: torch.Tensor, query_valid: torch.Tensor | None,
+                        logits_at: torch.Tensor) -> torch.Tensor:
+        """A prompt's forward as a CUDA graph captured once per (batch, width, logits asked), with
+        the model's own attention (many queries); the caller pads prompts to a few widths."""
+        if query_valid is None:
+            query_valid = torch.ones_like(ids, dtype=torch.bool)
+        key = (*ids.shape, logits_at.shape[0])
+        entry = self._prefill_graphs.get(key)
+        if entry is None:
+            s_ids, s_valid, s_at = ids.clone(), query_valid.clone(), logits_at.clone()
+            # warm-ups write only into the reserved slots, which the forward does not commit
+            graph, outputs = self._capture_fn(lambda: self._prefill(s_ids, None, s_valid, None, s_at), slots=False)
+            entry = self._prefill_graphs[key] = (graph, s_ids, s_valid, s_at, outputs)
+        graph, s_ids, s_valid, s_at, (logits, aux) = entry
+        s_ids.copy_(ids)
+        s_valid.copy_(query_valid)
+        s_at.copy_(logits_at)
+        graph.replay()
+        self.aux = aux
+        return logits
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""
@@ -442,11 +493,13 @@ class CachedLM:
         self.aux = s_aux
         return s_logits
 
-    def _capture_fn(self, fn: Callable[[], Any], after_each: Callable[[], Any] | None = None) -> tuple:
-        """Capture a step of this model as a CUDA graph in the cache's pool: (graph, outputs)."""
+    def _capture_fn(self, fn: Callable[[], Any], after_each: Callable[[], Any] | None = None,
+                    slots: bool | None = None) -> tuple:
+        """Capture a step of this model as a CUDA graph in the cache's pool: (graph, outputs);
+        ``slots``: attend by ``slot_attention`` (default: as this cache's steps do)."""
         if self._mempool is None:  # the graphs of one cache share a pool: they replay one at a time
             self._mempool = torch.cuda.graph_pool_handle()
-        with graph_kernels(self.model, self.slot_attention):
+        with graph_kernels(self.model, self.slot_attention if slots is None else slots):
             return capture_graph(fn, self.device, warmups=3, pool=self._mempool, after_each=after_each)
 
     def _capture(self, ids: torch.Tensor) -> tuple:

@@ -56,22 +56,36 @@ def test_greedy_equals_transformers(tiny_kind, tiny_models, refs, method, batch)
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram", "eagle3"])
-@pytest.mark.parametrize("variant", ["static", "compiled"])
-def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, refs, method, variant):
+@pytest.mark.parametrize("variant", ["static", "compiled", "padded"])
+def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, refs, method, variant, monkeypatch):
     """The GPU-shaped paths on the CPU: the whole-buffer cache whose mask is built from the
     device-side slot pointer, and the step traced by torch.compile (aot_eager: the same graph
     capture as inductor, without code generation). EAGLE-3 is pipelined there (its next draft
-    runs before the host reads the outcome; commits leave unused slots masked)."""
+    runs before the host reads the outcome; commits leave unused slots masked). "padded": the
+    graph mode's pooled caches and prompts padded to a multiple of 64 positions (the forwards
+    themselves eager: no CUDA here)."""
     from test_eagle3_proposer import _head
 
     model = tiny_models(tiny_kind)
     proposer = {"ar": None, "ngram": NgramProposer(1, 3),
                 "eagle3": Eagle3Proposer(_head(model), model) if method == "eagle3" else None}[method]
     options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
+    from outrider.kv_cache import CachedLM
+
+    widths, forward = [], CachedLM.forward
+
+    def recording(lm, ids, *args, **kwargs):  # the prompts' forwards: their widths
+        if kwargs.get("logits_at") is not None:
+            widths.append(ids.shape[1])
+        return forward(lm, ids, *args, **kwargs)
+
+    monkeypatch.setattr(CachedLM, "forward", recording)
     engine = SpecEngine(model, proposer, k=3, **options)
+    engine.graphs = variant == "padded"
     prompts, expected = _prompts(), refs(tiny_kind)
     got = engine.generate(prompts[:1], MAX_NEW).tokens + engine.generate(prompts[1:], MAX_NEW).tokens
     assert got == expected
+    assert widths == ([64, 64] if variant == "padded" else [len(prompts[0]), len(prompts[2])])
 
 
 def test_compiled_step_is_shared_between_caches(tiny_models):

@@ -61,6 +61,34 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
         assert graphs[0] is not None and graphs[1] is graphs[0]
 
 
+def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
+    """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
+    eager forward) gives the eager forward's logits and aux states, and the step after it the
+    same logits; the second prompt replays the graph the first captured."""
+    from outrider.kv_cache import CachedLM, graphable
+
+    model, _ = cuda_models(tiny_kind)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(3, 90, (2, 64), device="cuda", generator=g)
+    valid = torch.ones(2, 64, dtype=torch.bool, device="cuda")
+    valid[1, 50:] = False  # a shorter second row: padding
+    at = torch.tensor([49, 63], device="cuda")
+    out = []
+    for graphs in (False, True):
+        lm = CachedLM(model, 2, 256, aux_layer_ids=(0, 1, 2), graphs=graphs, read_len="max")
+        for _ in range(2 if graphs else 1):  # capture, then replay
+            lm.reset()
+            logits = lm.forward(ids, query_valid=valid, logits_at=at).clone()
+            aux = lm.aux[valid]
+        if graphs:
+            assert len(lm._prefill_graphs) == int(graphable(model))
+        lm.commit(valid)
+        out.append((logits, aux, lm.forward(torch.full((2, 1), 9, device="cuda")).clone()))
+        lm.close()
+    for got, want in zip(out[1], out[0]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_prompt_draft_graph_drafts_what_the_eager_chain_drafts(cuda_models, monkeypatch):
     """A request's first draft replayed as a graph over its prompt block padded to 64 positions
     proposes the tokens of the eager chain over the unpadded block (``PROMPT_GRAPH_TOKENS = 0``)."""

@@ -42,25 +42,14 @@ from typing import Any, Sequence
 
 import torch
 
-from outrider.kv_cache import capture_graph
-from outrider.models import AuxCapture, arch_info
-from outrider.slot_attention import supports
+from outrider.kv_cache import capture_graph, graphable
+from outrider.models import AuxCapture
 
 
 @dataclass
 class Captured:
     aux: torch.Tensor  # [batch, seq, len(aux_layer_ids) * H_t]
     teacher: torch.Tensor  # [batch, seq, draft_vocab] target logits on the draft vocabulary, unnormalised
-
-
-def graphable(target: torch.nn.Module) -> bool:
-    """Whether the graphed forward computes what the target's own does: a dense target whose
-    every layer attends causally over the full context (one explicit mask serves all layers; a
-    mixture of experts routes through the host or by data-dependent shapes)."""
-    cfg = getattr(target.config, "text_config", None) or target.config
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return (supports(target) and kinds == {"full_attention"} and not arch_info(cfg).is_moe
-            and not getattr(cfg, "attention_chunk_size", None))
 
 
 def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
