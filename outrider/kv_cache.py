@@ -259,6 +259,12 @@ def graphable(target: torch.nn.Module) -> bool:
             and not getattr(cfg, "attention_chunk_size", None))
 
 
+def prefill_graphs_apply(model: torch.nn.Module, batch: int, width: int) -> bool:
+    """Would a graphed ``CachedLM`` replay a prompt forward of ``batch`` x ``width`` as a graph?
+    (``graphable`` model, at most ``PREFILL_GRAPH_TOKENS`` positions; ``PREFILL_GRAPHS_MAX`` aside.)"""
+    return batch * width <= PREFILL_GRAPH_TOKENS and graphable(model)
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which this transformers version's ``forward`` takes the cache."""
     params = inspect.signature(model.forward).parameters
@@ -306,9 +312,11 @@ def _compiled_step(backend: str):
     return compiled(_plain_step, backend)
 
 
-PREFILL_GRAPH_TOKENS = 8192  # with graphs, prompts of up to this many batch x width positions replay as a graph
+PREFILL_GRAPH_TOKENS = 4096  # with graphs, prompts of up to this many batch x width positions replay as a graph,
+PREFILL_GRAPHS_MAX = 16  # ... for this many (batch, width, logits asked) per cache at most (each keeps its outputs)
 FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)
-STATIC_SHAPES = False  # compiled steps specialise on every shape (one compilation per width, batch, cache size)
+STATIC_SHAPES = False  # compiled steps specialise on every shape (one compilation per width, batch, cache size,
+# each with its own frozen weights: for a benchmark of a few shapes)
 
 
 def backend_of(compile: bool | str) -> str | None:
@@ -453,11 +461,13 @@ class CachedLM:
 
     def _prefill_graphed(self, ids: torch.Tensor, positions, query_valid, new_mask, logits_at) -> bool:
         """Replay this forward as a CUDA graph? A prompt's: at the cache's start, default positions
-        and causal mask, some logits asked, at most ``PREFILL_GRAPH_TOKENS`` batch x width
-        positions, a ``graphable`` model, eager kernels (not with ``compile_prefill``)."""
-        return (self.graphs and self.cache.ptr == 0 and positions is None and new_mask is None
-                and logits_at is not None and ids.numel() <= PREFILL_GRAPH_TOKENS
-                and self._prefill_fn is _prefill_step and graphable(self.model))
+        and causal mask, some logits asked, eager kernels (not with ``compile_prefill``), where
+        ``prefill_graphs_apply``, and a graph of its shape exists or fewer than ``PREFILL_GRAPHS_MAX`` do."""
+        if not (self.graphs and self.cache.ptr == 0 and positions is None and new_mask is None
+                and logits_at is not None and self._prefill_fn is _prefill_step
+                and prefill_graphs_apply(self.model, *ids.shape)):
+            return False
+        return (*ids.shape, logits_at.shape[0]) in self._prefill_graphs or len(self._prefill_graphs) < PREFILL_GRAPHS_MAX
 
     def _replay_prefill(self, ids: torch.Tensor, query_valid: torch.Tensor | None,
                         logits_at: torch.Tensor) -> torch.Tensor:

@@ -62,15 +62,15 @@ def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, re
     device-side slot pointer, and the step traced by torch.compile (aot_eager: the same graph
     capture as inductor, without code generation). EAGLE-3 is pipelined there (its next draft
     runs before the host reads the outcome; commits leave unused slots masked). "padded": the
-    graph mode's pooled caches and prompts padded to a multiple of 64 positions (the forwards
-    themselves eager: no CUDA here)."""
+    graph mode's pooled caches and prompts padded to a multiple of 64 positions where their
+    forward would be graphed (dense targets; the forwards themselves eager: no CUDA here)."""
     from test_eagle3_proposer import _head
 
     model = tiny_models(tiny_kind)
     proposer = {"ar": None, "ngram": NgramProposer(1, 3),
                 "eagle3": Eagle3Proposer(_head(model), model) if method == "eagle3" else None}[method]
     options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
-    from outrider.kv_cache import CachedLM
+    from outrider.kv_cache import CachedLM, graphable
 
     widths, forward = [], CachedLM.forward
 
@@ -85,7 +85,8 @@ def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, re
     prompts, expected = _prompts(), refs(tiny_kind)
     got = engine.generate(prompts[:1], MAX_NEW).tokens + engine.generate(prompts[1:], MAX_NEW).tokens
     assert got == expected
-    assert widths == ([64, 64] if variant == "padded" else [len(prompts[0]), len(prompts[2])])
+    padded = variant == "padded" and graphable(model)  # a mixture of experts: no graphed prompt forward, no padding
+    assert widths == ([64, 64] if padded else [len(prompts[0]), len(prompts[2])])
 
 
 def test_compiled_step_is_shared_between_caches(tiny_models):

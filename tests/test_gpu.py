@@ -64,19 +64,21 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
 def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
     """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
     eager forward) gives the eager forward's logits and aux states, and the step after it the
-    same logits; the second prompt replays the graph the first captured."""
+    same logits, for a prompt other than the one the graph was captured with (same shapes)."""
     from outrider.kv_cache import CachedLM, graphable
 
     model, _ = cuda_models(tiny_kind)
     g = torch.Generator(device="cuda").manual_seed(2)
-    ids = torch.randint(3, 90, (2, 64), device="cuda", generator=g)
-    valid = torch.ones(2, 64, dtype=torch.bool, device="cuda")
-    valid[1, 50:] = False  # a shorter second row: padding
-    at = torch.tensor([49, 63], device="cuda")
+    prompts = []
+    for short in (50, 40):  # ids [2, 64], the second row shorter (padding), logits at each row's end
+        valid = torch.ones(2, 64, dtype=torch.bool, device="cuda")
+        valid[1, short:] = False
+        prompts.append((torch.randint(3, 90, (2, 64), device="cuda", generator=g), valid,
+                        torch.tensor([short - 1, 63], device="cuda")))
     out = []
     for graphs in (False, True):
         lm = CachedLM(model, 2, 256, aux_layer_ids=(0, 1, 2), graphs=graphs, read_len="max")
-        for _ in range(2 if graphs else 1):  # capture, then replay
+        for ids, valid, at in prompts[1 - graphs:]:  # graphed: capture with the first, replay the second
             lm.reset()
             logits = lm.forward(ids, query_valid=valid, logits_at=at).clone()
             aux = lm.aux[valid]
@@ -102,8 +104,10 @@ def test_prompt_draft_graph_drafts_what_the_eager_chain_drafts(cuda_models, monk
         proposer = Eagle3Proposer(_head(model).cuda(), model)
         drafts[graphed] = _drafts(proposer)
         engine = SpecEngine(model, proposer, k=3, graphs=True, rounds=0)
-        assert engine.generate(_prompts(), MAX_NEW).tokens == refs
-        assert any(key[3] for key in proposer._graphs) == graphed  # the prompt's graph, or none
+        prompts = _prompts()
+        for i in range(3):  # one prompt width: the second and third replay the graph the first captured
+            assert engine.generate(prompts[i:i + 1], MAX_NEW).tokens == refs[i:i + 1]
+        assert sum(key[3] for key in proposer._graphs) == graphed  # the prompt's graph, or none
     assert len(drafts[False]) > 5 and drafts[True] == drafts[False]
 
 

@@ -32,7 +32,7 @@ class StartContext:
     sampling: SamplingParams
     k: int
     max_len: int  # cache slots a proposer's own cache needs for this request batch
-    target_aux: torch.Tensor | None = None  # [batch, P, n_aux*hidden] aux states of the prompt (right-padded)
+    target_aux: torch.Tensor | None = None  # [batch, W >= P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     graphs: bool = False  # the engine replays CUDA graphs; a proposer may capture its own steps too
     compile: bool | str = False  # the engine fuses its step with torch.compile (a str: the backend); so may a proposer

@@ -38,9 +38,9 @@ from outrider.sampling import RowRandom, probs, sample
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: on an H200 an odd count (1537) drew
 # an unaligned GEMM for the draft step's scores, 26 us instead of ~2.5 us
 PROMPT_BUCKET = 64  # with graphs, a prompt's pending block is padded on the left to a multiple of this width
-PROMPT_GRAPH_TOKENS = 4096  # ... and replayed as a graph per width up to this many batch x width positions
-# (eager beyond: each graph keeps its own memory): eager, a request's first draft took 6.3 ms on an H200,
-# 0.13 ms per round of a 128-token answer
+PROMPT_GRAPH_TOKENS = 4096  # ... and replayed as a graph per width up to this many batch x width positions,
+PROMPT_GRAPHS_MAX = 16  # ... for this many widths per batch size (eager beyond: each graph keeps its memory);
+# eager, a request's first draft took 6.35 ms on an H200, 0.164 ms per round of a 103-token answer
 
 
 class HeadCache:
@@ -140,7 +140,9 @@ class Eagle3Proposer(Proposer):
         self._prompt_pending = True  # the prompt's block: fed once, by the eager step (any width, never compiled)
         self.pending = _right_align(ctx.prompt_lens - 1, nxt, ctx.target_aux)  # each row's newest pair last
         width = -(-P // PROMPT_BUCKET) * PROMPT_BUCKET
-        self._prompt_graph = self.use_graphs and B * width <= PROMPT_GRAPH_TOKENS  # a graph per (batch, width)
+        widths = {key[1] for key in self._graphs if key[3]} if self.use_graphs else set()
+        self._prompt_graph = (self.use_graphs and B * width <= PROMPT_GRAPH_TOKENS  # a graph per (batch, width)
+                              and (width in widths or len(widths) < PROMPT_GRAPHS_MAX))
         if self._prompt_graph:
             self.pending = _pad_left(self.pending, width)
 
