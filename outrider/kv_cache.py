@@ -24,7 +24,10 @@ Contract:
   the token ids. ``greedy_run`` chains plain greedy steps on the device (a graph that also takes
   the argmax, feeds it back and commits it), with no host synchronisation between steps.
   Captured steps record batched experts for mixture-of-experts layers and ``slot_attention`` for
-  the attention (``graph_kernels``); eager steps (prefill, the CPU) keep the model's own.
+  the attention (``graph_kernels``); eager steps (prefill, the CPU) keep the model's own. A
+  prompt's forward at the cache's start also replays as a graph, one per (batch, width, logits
+  asked), eager kernels and the model's own attention, for dense full-attention targets
+  (``graphable``; callers pad prompts to a few widths: ``prefill_graphs_apply``).
 
 Not done here: paging, sharing prefixes between rows, eviction. The cache holds at most
 ``max_len`` slots; asking for more is a clear error, never a silent overwrite.
