@@ -239,8 +239,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
             engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens)  # no capture or
             # compilation inside the timing; with graphs every batch's prompt width (its forward,
             # the first draft) is captured too
-            for i in range(0, len(prompt_ids), batch_size) if engine.graphs else ():
-                engine.generate(prompt_ids[i:i + batch_size], min(2, max_new_tokens))
+            if engine.graphs:
+                _run(engine, prompt_ids, batch_size, min(2, max_new_tokens))
         else:
             engine.generate(prompt_ids[:1], min(8, max_new_tokens))
         done(f"warm-up of the {'autoregressive' if engine.proposer is None else method} engine")

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 from outrider.errors import UserError, require
-from outrider.kv_cache import CachedLM, prefill_graphs_apply
+from outrider.kv_cache import PROMPT_BUCKET, CachedLM, prefill_graphs_apply
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, SamplingParams, probs, sample
 from outrider.spec_rounds import DeviceRounds
@@ -133,7 +133,6 @@ class SpecEngine:
     """
 
     AR_CHUNK = 8  # plain greedy decoding: device steps per host synchronisation
-    PROMPT_BUCKET = 64  # graphs: prompts padded to a multiple of this width (kv_cache.prefill_graphs_apply)
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
@@ -207,7 +206,7 @@ class SpecEngine:
             raise UserError(f"prompt ({P}) + max new tokens ({max_new_tokens}) exceed the target's "
                             f"{limit} positions: shorten the prompt or ask for fewer tokens")
         # graphs: prompts padded to a few widths, each one's forward replayed as a graph (padding invalid)
-        width = min(-(-P // self.PROMPT_BUCKET) * self.PROMPT_BUCKET, limit or P + self.PROMPT_BUCKET)
+        width = min(-(-P // PROMPT_BUCKET) * PROMPT_BUCKET, limit or P + PROMPT_BUCKET)
         if not (self.graphs and prefill_graphs_apply(self.target, B, width)):
             width = P
         max_len = max(P + (max_new_tokens + 1) * (k + 1) + 1, width)

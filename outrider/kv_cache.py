@@ -315,6 +315,7 @@ def _compiled_step(backend: str):
     return compiled(_plain_step, backend)
 
 
+PROMPT_BUCKET = 64  # with graphs, prompts are padded to a multiple of this width (a graph per width)
 PREFILL_GRAPH_TOKENS = 4096  # with graphs, prompts of up to this many batch x width positions replay as a graph,
 PREFILL_GRAPHS_MAX = 16  # ... for this many (batch, width, logits asked) per cache at most (each keeps its outputs)
 FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)

@@ -30,17 +30,18 @@ from pathlib import Path
 
 import torch
 
-from outrider.kv_cache import backend_of, capture_graph, compiled
+from outrider.kv_cache import PROMPT_BUCKET, backend_of, capture_graph, compiled
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, probs, sample
 
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: on an H200 an odd count (1537) drew
 # an unaligned GEMM for the draft step's scores, 26 us instead of ~2.5 us
-PROMPT_BUCKET = 64  # with graphs, a prompt's pending block is padded on the left to a multiple of this width
-PROMPT_GRAPH_TOKENS = 4096  # ... and replayed as a graph per width up to this many batch x width positions,
-PROMPT_GRAPHS_MAX = 16  # ... for this many widths per batch size (eager beyond: each graph keeps its memory);
-# eager, a request's first draft took 6.35 ms on an H200, 0.164 ms per round of a 103-token answer
+# With graphs a prompt's pending block is padded on the left to a multiple of PROMPT_BUCKET, like the target's
+# prompt, and a request's first draft replays as a graph per width (eager it took 6.35 ms on an H200, 0.164 ms
+# per round of a 103-token answer), up to
+PROMPT_GRAPH_TOKENS = 4096  # batch x width positions,
+PROMPT_GRAPHS_MAX = 16  # widths per batch size (eager beyond: each graph keeps its memory)
 
 
 class HeadCache:
