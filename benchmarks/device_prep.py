@@ -1,28 +1,33 @@
 """Stage what a device session needs, here, in git-ignored folders that each fit one call's carry.
 
-    python benchmarks/device_prep.py [--first 11000] [--later 12000] [--prompts 10]
+    python benchmarks/device_prep.py [--first 11000] [--later 12000] [--deeper 7000] [--prompts 30]
 
 The lent machine starts bare (no network, no model hub) and takes at most 64 MiB of working tree
 per call; the default model's GGUF (98 MB) therefore travels in two calls. Writes:
 
 - ``.dev/b1``: the GGUF's first 57.5 MB and ``prompts-heldout.json`` (the held-out split's first user
   turns, the benchmark prompts); ``.whl``: the wheels the machine lacks (``gguf``, ``pytest``).
-- ``.dev/b2``: the rest of the GGUF and ``first-exchanges.json.gz`` (the first user turn and reply
-  of training-split conversations, as the demo builds them).
-- ``.dev/b3``: ``later-exchanges.json.gz``: second exchanges with the first one as context (both
-  replies are regenerated), then single exchanges of conversation parts that open with a reply.
+- ``.dev/b2``: the rest of the GGUF (41 MB: with ``.dev/r``'s merged data it fits one call).
+- ``.dev/b3``: ``first-exchanges.json.gz`` (the first user turn and reply of training-split
+  conversations, as the demo builds them) and ``later-exchanges.json.gz``: second exchanges with the
+  first one as context (both replies are regenerated), then single exchanges of conversation parts
+  that open with a reply.
+- ``.dev/b4``: ``deeper-exchanges.json.gz``: third, then fourth exchanges, the earlier ones as
+  context (``deeper.sh`` regenerates every reply and merges them after the first and later ones).
 - ``.dev/commit``: the commit the calls run (``OUTRIDER_COMMIT`` on the device): run this after the last commit.
 
 The calls, in order (scripts of ``benchmarks/device/``; each one's header says what it does):
 
 1. ``bash benchmarks/device/stage.sh``, carry ``.dev/b1 .whl .dev/commit``;
 2. within 30 s: ``bash benchmarks/device/model.sh && bash benchmarks/device/data.sh``, carry
-   ``.dev/b2 .dev/b3 .dev/commit`` (~62 MiB with the checkout);
-3. ``BUDGET=450 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
+   ``.dev/b2 .dev/b3 .dev/commit`` (~62 MiB with the checkout); then ``bash benchmarks/device/deeper.sh``,
+   carry ``.dev/b4 .dev/commit``;
+3. ``BUDGET=450 DATA=data-all2 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
 
 A machine left idle for 30 s is taken back with everything under /tmp, and a reply to a long
 call can take longer than that: the data and the head come back under ``$OUT`` in parts under
-the 16 MiB a returned file may have (``data.tgz.NN``, ``later/data-all.tgz.NN``, ``head.tar.NN``);
+the 16 MiB a returned file may have (``data.tgz.NN``, ``later/data-all.tgz.NN``, ``data-all2.tgz.NN``,
+``head.tar.NN``);
 copied into ``.dev/r``, they are put back by ``restore.sh`` (carry ``.dev/r``) after a fresh
 ``stage.sh`` and ``model.sh``. ``DEV=cpu`` runs the same scripts on a machine without
 a GPU (float32, with e.g. ``FIRST=6 LATER=6``, a tiny ``SETTINGS``, ``PASSES=eager:eagle3 NUM=1``):
@@ -65,6 +70,21 @@ def later_exchanges(sharegpt, limit: int) -> list[dict]:
     return out[:limit]
 
 
+def deeper_exchanges(sharegpt, exchanges=(3, 4), limit: int | None = None) -> list[dict]:
+    """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
+    turns of every conversation whose first 2n turns alternate human, gpt (the reply to regenerate is
+    the last; the earlier ones stay as written)."""
+    out = []
+    for n in exchanges:
+        for conv in sharegpt.conversations:
+            turns = conv.get("conversations") or []
+            if assets.heldout(conv["id"]) or len(turns) < 2 * n:
+                continue
+            if all(t.get("from") == ("human", "gpt")[i % 2] for i, t in enumerate(turns[:2 * n])):
+                out.append({"id": f"{conv['id']}#{n}", "conversations": turns[:2 * n]})
+    return out[:limit]
+
+
 def _gz(path: Path, records) -> None:
     tmp = path.with_suffix(".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:
@@ -76,11 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--first", type=int, default=11000, help="first exchanges")
     ap.add_argument("--later", type=int, default=12000, help="later exchanges")
-    ap.add_argument("--prompts", type=int, default=10, help="held-out benchmark prompts")
+    ap.add_argument("--deeper", type=int, default=7000, help="third, then fourth exchanges")
+    ap.add_argument("--prompts", type=int, default=30,
+                    help="held-out benchmark prompts (bench.sh takes the first NUM, 10 by default)")
     a = ap.parse_args()
     dev = ROOT / ".dev"
-    b1, b2, b3, whl = dev / "b1", dev / "b2", dev / "b3", ROOT / ".whl"
-    for d in (b1, b2, b3, whl):
+    b1, b2, b3, b4, whl = dev / "b1", dev / "b2", dev / "b3", dev / "b4", ROOT / ".whl"
+    for d in (b1, b2, b3, b4, whl):
         d.mkdir(parents=True, exist_ok=True)
     gguf = assets.default_gguf_path()
     data = gguf.read_bytes()
@@ -90,17 +112,20 @@ def main() -> None:
     prompts = assets.first_user_turns(sharegpt, heldout_only=True, limit=a.prompts)
     atomic_write_json(b1 / "prompts-heldout.json", prompts)
     first = _first_exchanges(sharegpt, a.first, dev / "first-exchanges.json")
-    _gz(b2 / "first-exchanges.json.gz", json.loads(first.read_text()))
+    _gz(b3 / "first-exchanges.json.gz", json.loads(first.read_text()))
     first.unlink()
     later = later_exchanges(sharegpt, a.later)
     _gz(b3 / "later-exchanges.json.gz", later)
+    deeper = deeper_exchanges(sharegpt, limit=a.deeper)
+    _gz(b4 / "deeper-exchanges.json.gz", deeper)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     (dev / "commit").write_text(commit.stdout.strip() or "unknown")
-    for d in (b1, b2, b3, whl):
+    for d in (b1, b2, b3, b4, whl):
         size = sum(f.stat().st_size for f in d.iterdir())
         print(f"{d.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
-    print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later exchanges; "
+    print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later and {len(deeper)} deeper "
+          f"exchanges; "
           f"commit {(dev / 'commit').read_text()}")
 
 
