@@ -12,8 +12,9 @@ per call; the default model's GGUF (98 MB) therefore travels in two calls. Write
   conversations, as the demo builds them) and ``later-exchanges.json.gz``: second exchanges with the
   first one as context (both replies are regenerated), then single exchanges of conversation parts
   that open with a reply.
-- ``.dev/b4``: ``deeper-exchanges.json.gz``: third, then fourth exchanges, the earlier ones as
-  context (``deeper.sh`` regenerates every reply and merges them after the first and later ones).
+- ``.dev/b4``: ``deeper-exchanges.json.gz``: the first ``--deeper`` of the third, then fourth, then
+  fifth exchanges, the earlier ones as context (``deeper.sh`` regenerates every reply and merges them
+  after the first and later ones); ``.dev/b5``: the rest of them (``SRC=b5``, merged after those).
 - ``.dev/commit``: the commit the calls run (``OUTRIDER_COMMIT`` on the device): run this after the last commit.
 
 The calls, in order (scripts of ``benchmarks/device/``; each one's header says what it does):
@@ -70,7 +71,7 @@ def later_exchanges(sharegpt, limit: int) -> list[dict]:
     return out[:limit]
 
 
-def deeper_exchanges(sharegpt, exchanges=(3, 4), limit: int | None = None) -> list[dict]:
+def deeper_exchanges(sharegpt, exchanges=(3, 4, 5)) -> list[dict]:
     """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
     turns of every conversation whose first 2n turns alternate human, gpt (the reply to regenerate is
     the last; the earlier ones stay as written)."""
@@ -82,7 +83,7 @@ def deeper_exchanges(sharegpt, exchanges=(3, 4), limit: int | None = None) -> li
                 continue
             if all(t.get("from") == ("human", "gpt")[i % 2] for i, t in enumerate(turns[:2 * n])):
                 out.append({"id": f"{conv['id']}#{n}", "conversations": turns[:2 * n]})
-    return out[:limit]
+    return out
 
 
 def _gz(path: Path, records) -> None:
@@ -96,13 +97,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--first", type=int, default=11000, help="first exchanges")
     ap.add_argument("--later", type=int, default=12000, help="later exchanges")
-    ap.add_argument("--deeper", type=int, default=7000, help="third, then fourth exchanges")
+    ap.add_argument("--deeper", type=int, default=7000, help="deeper exchanges in .dev/b4 (the rest: b5)")
     ap.add_argument("--prompts", type=int, default=30,
                     help="held-out benchmark prompts (bench.sh takes the first NUM, 10 by default)")
     a = ap.parse_args()
     dev = ROOT / ".dev"
-    b1, b2, b3, b4, whl = dev / "b1", dev / "b2", dev / "b3", dev / "b4", ROOT / ".whl"
-    for d in (b1, b2, b3, b4, whl):
+    b1, b2, b3, b4, b5 = (dev / f"b{i}" for i in range(1, 6))
+    whl = ROOT / ".whl"
+    for d in (b1, b2, b3, b4, b5, whl):
         d.mkdir(parents=True, exist_ok=True)
     gguf = assets.default_gguf_path()
     data = gguf.read_bytes()
@@ -116,12 +118,13 @@ def main() -> None:
     first.unlink()
     later = later_exchanges(sharegpt, a.later)
     _gz(b3 / "later-exchanges.json.gz", later)
-    deeper = deeper_exchanges(sharegpt, limit=a.deeper)
-    _gz(b4 / "deeper-exchanges.json.gz", deeper)
+    deeper = deeper_exchanges(sharegpt)
+    _gz(b4 / "deeper-exchanges.json.gz", deeper[:a.deeper])
+    _gz(b5 / "deeper-exchanges.json.gz", deeper[a.deeper:])
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     (dev / "commit").write_text(commit.stdout.strip() or "unknown")
-    for d in (b1, b2, b3, b4, whl):
+    for d in (b1, b2, b3, b4, b5, whl):
         size = sum(f.stat().st_size for f in d.iterdir())
         print(f"{d.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
     print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later and {len(deeper)} deeper "
