@@ -4,8 +4,9 @@
 # back as $OUT/$MERGED.tgz.NN (restore.sh takes it from .dev/r). The second part: SRC=b5
 # BASE=data-all2 MERGED=data-all3. DEEPER: how many of its exchanges (all by default).
 . benchmarks/device/env.sh
-SRC=${SRC:-b4}
+SRC=${SRC:-b4} BASE=${BASE:-data-all}
+[ -d /tmp/run/$BASE ] || { echo "no /tmp/run/$BASE to merge after: run restore.sh (carry .dev/r) first"; exit 3; }
 gunzip -c .dev/$SRC/deeper-exchanges.json.gz > /tmp/src/deeper-$SRC.json || exit 1
 python3 benchmarks/gpu_session.py data --out $OUT --dataset /tmp/src/deeper-$SRC.json \
-    --conversations ${DEEPER:-100000} --data-out /tmp/run/data-$SRC --merge-base /tmp/run/${BASE:-data-all} \
+    --conversations ${DEEPER:-100000} --data-out /tmp/run/data-$SRC --merge-base /tmp/run/$BASE \
     --merged /tmp/run/${MERGED:-data-all2} --pack --device $DEV --regen-batch ${REGEN_BATCH:-128}
