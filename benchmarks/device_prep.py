@@ -22,7 +22,9 @@ The calls, in order (scripts of ``benchmarks/device/``; each one's header says w
 1. ``bash benchmarks/device/stage.sh``, carry ``.dev/b1 .whl .dev/commit``;
 2. within 30 s: ``bash benchmarks/device/model.sh && bash benchmarks/device/data.sh``, carry
    ``.dev/b2 .dev/b3 .dev/commit`` (~62 MiB with the checkout); then ``bash benchmarks/device/deeper.sh``,
-   carry ``.dev/b4 .dev/commit``;
+   carry ``.dev/b4 .dev/commit`` (``SRC=b5 BASE=data-all2 MERGED=data-all3`` for the rest); and/or
+   ``bash benchmarks/device/sampled.sh``, carry ``.dev/b3 .dev/commit``: the first exchanges' replies
+   sampled at ``TEMP`` (0.7) and merged after ``BASE``;
 3. ``BUDGET=450 DATA=data-all2 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
 
 A machine left idle for 30 s is taken back with everything under /tmp, and a reply to a long

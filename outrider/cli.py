@@ -85,7 +85,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
                            max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
                            server_model=a.server_model, concurrency=a.concurrency,
-                           max_new_tokens=a.max_new_tokens, progress=not a.quiet)
+                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--server-model", default=None)
     sp.add_argument("--concurrency", type=int, default=8)
     sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--temperature", type=float, default=0.0,
+                    help="with --regenerate: sample the target's replies at this temperature (0: greedy)")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(fn=cmd_data)
 

@@ -38,22 +38,30 @@ SIZES = {
 }
 
 
-def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False):
-    """Token ids in, token ids out, through ``SpecEngine`` (greedy, batched)."""
+def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False, temperature: float = 0.0,
+                       seed: int = 0):
+    """Token ids in, token ids out, through ``SpecEngine`` (batched): greedy, or sampled at
+    ``temperature`` (> 0), each batch with its own seed (``seed`` + the batches before it)."""
     from outrider.engine import SpecEngine
+    from outrider.sampling import SamplingParams
 
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
+    batches = 0
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        nonlocal batches
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
         by_index: dict[int, list[int]] = {}
         for s in range(0, len(order), batch_size):
             idx = order[s:s + batch_size]
+            engine.sampling = SamplingParams(temperature=temperature, seed=seed + batches)
+            batches += 1
             for i, toks in zip(idx, engine.generate([prompts[i] for i in idx], max_new_tokens).tokens):
                 by_index[i] = toks
         return [by_index[i] for i in range(len(prompts))]
 
     generate.batch_size = batch_size  # the regeneration's wave size
+    generate.temperature = float(temperature)
     return generate
 
 

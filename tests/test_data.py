@@ -509,6 +509,60 @@ def test_regenerate_locally_with_the_default_hf_backend(tmp_path, tiny_target, t
     assert ids[start + len(reply)] == 2 and mask[start + len(reply)] == 1
 
 
+def _replies(out_dir) -> list[list[int]]:
+    ds = load_dataset(out_dir)
+    return [[t for t, m in zip(ds[i][0].tolist(), ds[i][1].tolist()) if m] for i in range(len(ds))]
+
+
+def test_regenerate_sampled_at_a_temperature(tmp_path, tiny_target):
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(6)])
+
+    def build(name, **kw):
+        return build_dataset(tiny_target, src, str(tmp_path / name), regenerate=True, max_new_tokens=8,
+                             eval_fraction=0.0, progress=False, **kw)
+
+    build("a")
+    greedy = _replies(tmp_path / "a")
+    hot = build("a", temperature=1.0)  # the same folder and cache: the greedy replies do not serve...
+    assert hot.from_cache == 0 and read_manifest(tmp_path / "a")["regenerate"]["temperature"] == 1.0
+    sampled = _replies(tmp_path / "a")
+    assert build("a").from_cache == 0 and _replies(tmp_path / "a") == greedy  # nor serve the samples greedy
+    build("b", temperature=1.0)
+    assert _replies(tmp_path / "b") == sampled  # a fresh cache, the same seed: the same samples
+    build("c", temperature=1.0, seed=1)
+    assert sampled != greedy and _replies(tmp_path / "c") != sampled
+
+
+def test_sampling_settings_are_checked(tmp_path, target):
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(2)])
+    with pytest.raises(UserError, match="--regenerate"):
+        build_dataset(target, src, str(tmp_path / "out"), temperature=0.7, progress=False)
+    with pytest.raises(UserError, match=">= 0"):
+        build_dataset(target, src, str(tmp_path / "out"), regenerate=True, temperature=-1.0, progress=False)
+    greedy_fn = hf_generate_fn(make_tiny("llama", 0), 0, [2])
+    with pytest.raises(ValueError, match="temperature 0.0"):
+        build_dataset(target, src, str(tmp_path / "out"), regenerate=True, temperature=0.7,
+                      generate_fn=greedy_fn, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sampled_generate_fns_seed_each_batch_and_leave_the_callers_random_state():
+    from outrider.demo import engine_generate_fn
+
+    model = make_tiny("llama", 1)
+    prompt = [3, 94, 7, 8, 2, 3, 95]
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    for make in (lambda seed: hf_generate_fn(model, 0, [2], batch_size=1, temperature=1.0, seed=seed),
+                 lambda seed: engine_generate_fn(model, [2], batch_size=1, temperature=1.0, seed=seed)):
+        torch.manual_seed(5)
+        first, second = make(0)([prompt, prompt], 12)  # one prompt twice: two batches, two seeds
+        assert torch.equal(torch.rand(3), before)  # the caller's generator did not move
+        assert first != second
+        assert make(0)([prompt], 12) == [first] and make(1)([prompt], 12) == [second]
+        assert make(0).temperature == 1.0
+
+
 def test_hf_generate_fn_batches_match_single_prompts():
     model = make_tiny("llama", 1)
     fn = hf_generate_fn(model, pad_token_id=0, end_ids=[2], batch_size=3)

@@ -17,7 +17,7 @@ import torch
 from tiny import make_tiny, save_tiny, tiny_tokenizer
 
 from outrider.errors import UserError
-from outrider.train.data import build_dataset, cache_path_for, hf_generate_fn, load_dataset
+from outrider.train.data import build_dataset, cache_path_for, hf_generate_fn, load_dataset, read_manifest
 from outrider.train.openai_client import ChatClient, ServerRejected
 
 MODEL_NAME = "tiny-llama"
@@ -30,6 +30,7 @@ class TinyServer:
         self.max_requests = max_requests
         self.requests = 0
         self.chat_requests: list[list[dict]] = []
+        self.temperatures: list[float] = []  # of each chat request (this server itself answers greedily)
         self.lock = threading.Lock()
         server = self
 
@@ -74,6 +75,7 @@ class TinyServer:
                     return
                 with server.lock:
                     server.chat_requests.append(messages)
+                    server.temperatures.append(body.get("temperature"))
                     text = server.complete(messages, int(body["max_tokens"]))
                 self.reply(200, {"object": "chat.completion", "model": MODEL_NAME,
                                  "choices": [{"index": 0, "finish_reason": "stop",
@@ -175,6 +177,11 @@ def test_regenerate_through_the_server_equals_local_generation(tmp_path, model, 
                                concurrency=4, max_new_tokens=6, eval_fraction=0.0, progress=False, retries=2,
                                backoff=0.01)
         served = len(srv.chat_requests)
+        sampled = build_dataset(target, src, str(tmp_path / "hot"), regenerate=True, server=srv.url,
+                                max_new_tokens=6, temperature=0.7, eval_fraction=0.0, progress=False)
+    assert srv.temperatures == [0.0] * served + [0.7] * (len(srv.temperatures) - served)
+    assert sampled.regenerated == 9 and len(srv.temperatures) == 2 * served  # no greedy reply served it
+    assert read_manifest(tmp_path / "hot")["regenerate"]["temperature"] == 0.7
     assert report.regenerated == 9 and report.dropped == {"server_rejected": 1}
     assert served == sum(1 + k % 3 for k in range(10) if k != 3)  # every reply of every kept conversation
     local = build_dataset(target, src, str(tmp_path / "local"), regenerate=True, max_new_tokens=6,

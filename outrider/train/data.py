@@ -29,9 +29,11 @@ Contract:
   model must learn to predict from the tokens before it), ``conv_id string``; and
   ``manifest.json`` (tokenizer fingerprint, chat-template hash, counts, drop reasons, shards).
 - ``regenerate=True`` replaces each assistant turn, in order, with the target's own greedy reply
-  to the conversation so far, through a local ``generate_fn(prompts, max_new_tokens)`` (token ids
-  in, new token ids out; prompts go in waves of similar length, one wave per ``generate_fn.batch_size``
-  when it declares one) or an OpenAI-compatible server. Finished conversations are appended to a
+  to the conversation so far (``temperature > 0``: a reply sampled at that temperature, no top-k
+  or top-p), through a local ``generate_fn(prompts, max_new_tokens)`` (token ids in, new token ids
+  out; prompts go in waves of similar length, one wave per ``generate_fn.batch_size`` when it
+  declares one; it samples at ``generate_fn.temperature``, 0 when it declares none, which must be
+  the ``temperature`` asked) or an OpenAI-compatible server. Finished conversations are appended to a
   JSONL cache next to the output (``<out>.regen.jsonl``) and reused on a rerun with the same
   settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
@@ -41,7 +43,7 @@ Contract:
   with its own; an example whose tokens were seen before is dropped).
 
 Not done here: packing several conversations into one sequence, tool-call or multimodal turns,
-sampling during regeneration (it is greedy), sanitising control tokens inside message text
+top-k or top-p during regeneration, sanitising control tokens inside message text
 (conversations whose text contains one of the tokenizer's special tokens are dropped instead).
 """
 
@@ -50,6 +52,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -485,17 +488,24 @@ def _cut_at_end(ids: Sequence[int], end: set[int]) -> list[int]:
     return out
 
 
-def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size: int = 8) -> GenerateFn:
-    """A ``generate_fn`` from a Hugging Face causal LM: greedy ``model.generate``, left-padded batches."""
+def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size: int = 8,
+                   temperature: float = 0.0, seed: int = 0) -> GenerateFn:
+    """A ``generate_fn`` from a Hugging Face causal LM: ``model.generate``, left-padded batches; greedy,
+    or sampled at ``temperature`` (> 0) from the whole distribution, batch i drawing from torch's
+    generator seeded with ``seed + i`` (the caller's random state is left as it was)."""
     from transformers import GenerationConfig
 
     end = sorted(set(int(e) for e in end_ids))
+    batches = 0  # batches generated so far: the next one's seed offset
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        nonlocal batches
         device = next(model.parameters()).device
         out: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        config = GenerationConfig(do_sample=False, max_new_tokens=int(max_new_tokens), pad_token_id=pad_token_id,
+        sampled = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+        config = GenerationConfig(**(sampled if temperature > 0 else {"do_sample": False}),
+                                  max_new_tokens=int(max_new_tokens), pad_token_id=pad_token_id,
                                   eos_token_id=end or None)
         for start in range(0, len(order), batch_size):
             chunk = order[start: start + batch_size]
@@ -506,14 +516,17 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
                 n = len(prompts[i])
                 ids[row, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
                 attn[row, width - n:] = 1
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed + batches)
                 gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
                                      generation_config=config)  # [batch, width + new]
+            batches += 1
             for row, i in enumerate(chunk):
                 out[i] = [int(t) for t in gen[row, width:].tolist()]
         return out
 
     generate.batch_size = batch_size  # the regeneration's wave size
+    generate.temperature = float(temperature)
     return generate
 
 
@@ -597,7 +610,7 @@ def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: G
 
 
 def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_new_tokens: int, max_length: int,
-                  concurrency: int, cache: _Cache, bar: _Bar) -> dict[str, _RegenResult]:
+                  concurrency: int, cache: _Cache, bar: _Bar, temperature: float = 0.0) -> dict[str, _RegenResult]:
     """One thread per conversation in flight; each conversation goes turn by turn."""
     from outrider.train.openai_client import ServerRejected
 
@@ -620,7 +633,7 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
                 stop = "max_length"
                 break
             try:
-                text = client.chat(msgs[:i], max_new_tokens)
+                text = client.chat(msgs[:i], max_new_tokens, temperature)
             except ServerRejected:
                 stop = "server_rejected"
                 break
@@ -643,8 +656,11 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
     return results
 
 
-def _regen_key(backend: str, conv: Conversation, max_new_tokens: int, max_length: int, template_hash: str) -> str:
-    blob = json.dumps([backend, conv.messages, max_new_tokens, max_length, template_hash], ensure_ascii=False)
+def _regen_key(backend: str, conv: Conversation, max_new_tokens: int, max_length: int, template_hash: str,
+               temperature: float = 0.0) -> str:
+    # greedy keys stay as they were before sampling existed, so that earlier caches still serve
+    settings = [backend, conv.messages, max_new_tokens, max_length, template_hash] + ([temperature] if temperature else [])
+    blob = json.dumps(settings, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:20]
 
 
@@ -1082,8 +1098,11 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
                 template_hash: str, out_path: Path, server: str | None, server_model: str | None,
                 concurrency: int, max_new_tokens: int, max_length: int, progress: bool,
                 generate_fn: GenerateFn | None, client_options: dict[str, Any],
-                dropped: Counter) -> tuple[list[Conversation], dict[str, Any]]:
+                dropped: Counter, temperature: float = 0.0, seed: int = 0) -> tuple[list[Conversation], dict[str, Any]]:
     """Replace assistant turns with the target's replies; cached conversations are not regenerated."""
+    if generate_fn is not None and float(getattr(generate_fn, "temperature", 0.0)) != temperature:
+        raise ValueError(f"generate_fn samples at temperature {getattr(generate_fn, 'temperature', 0.0)}, "
+                         f"the data was asked at {temperature}")
     cache_file = cache_path_for(out_path)
     cache = _Cache(cache_file)
     client = None
@@ -1097,7 +1116,7 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
     results: dict[str, _RegenResult] = {}
     todo = []
     for conv in conversations:
-        key = _regen_key(f"{backend}:{model_name}", conv, max_new_tokens, max_length, template_hash)
+        key = _regen_key(f"{backend}:{model_name}", conv, max_new_tokens, max_length, template_hash, temperature)
         hit = cache.get(conv.conv_id, key)
         if hit is not None:
             results[conv.conv_id] = _RegenResult(list(hit["responses"]), hit.get("stop"))
@@ -1108,13 +1127,14 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
         with _Bar(progress, "regenerating", len(todo)) as bar:
             if todo and client is not None:
                 results.update(_regen_server(todo, tokenizer, client, max_new_tokens, max_length, concurrency,
-                                             cache, bar))
+                                             cache, bar, temperature))
             elif todo:
                 if generate_fn is None:
                     from outrider.models import load_model
 
                     model, _ = load_model(target, with_tokenizer=False)
-                    generate_fn = hf_generate_fn(model, _pad_id(tokenizer, end), end)
+                    generate_fn = hf_generate_fn(model, _pad_id(tokenizer, end), end, temperature=temperature,
+                                                 seed=seed)
                 results.update(_regen_local(todo, tokenizer, generate_fn, max_new_tokens, max_length, end,
                                             cache, bar))
     finally:
@@ -1127,21 +1147,27 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
             continue
         out.append(Conversation(conv.conv_id, _apply_responses(conv.messages, res.responses)))
     info = {"backend": backend, "model": model_name, "server": server, "max_new_tokens": max_new_tokens,
-            "cache": str(cache_file), "from_cache": from_cache, "conversations": len(out)}
+            "temperature": temperature, "cache": str(cache_file), "from_cache": from_cache,
+            "conversations": len(out)}
     return out, info
 
 
 def build_dataset(target: str, dataset: str, out: str, max_conversations: int | None = None, max_length: int = 2048,
                   eval_fraction: float = 0.05, seed: int = 0, regenerate: bool = False, server: str | None = None,
                   server_model: str | None = None, concurrency: int = 8, max_new_tokens: int = 256,
-                  progress: bool = True, generate_fn: GenerateFn | None = None, *, shard_rows: int = 8192,
-                  retries: int = 5, backoff: float = 1.0, timeout: float = 300.0) -> DataReport:
+                  progress: bool = True, generate_fn: GenerateFn | None = None, temperature: float = 0.0, *,
+                  shard_rows: int = 8192, retries: int = 5, backoff: float = 1.0,
+                  timeout: float = 300.0) -> DataReport:
     """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
     from outrider.models import load_tokenizer, resolve
 
     _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
     if server and not regenerate:
         raise UserError("--server is only used to regenerate responses: add --regenerate")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise UserError(f"--temperature must be a number >= 0, got {temperature}")
+    if temperature and not regenerate:
+        raise UserError("--temperature is only used to regenerate responses: add --regenerate")
     out_path = Path(out).expanduser()
     tokenizer = load_tokenizer(target)
     require_chat_template(tokenizer, str(target))
@@ -1159,7 +1185,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         conversations, regen_info = _regenerate(
             conversations, tokenizer, target, model_path, end, fingerprint["chat_template_hash"], out_path,
             server, server_model, concurrency, max_new_tokens, max_length, progress, generate_fn,
-            dict(timeout=timeout, retries=retries, backoff=backoff), dropped)
+            dict(timeout=timeout, retries=retries, backoff=backoff), dropped, float(temperature), seed)
         conversations = _without_control_text(conversations, controls, dropped)
         regen_info["conversations"] = len(conversations)
 

@@ -6,13 +6,14 @@ Contract:
   threads (each call opens its own connection).
 - ``check()`` confirms the server answers at all and returns the model name to use (the given
   one, or the first one ``/v1/models`` lists). A server that cannot be reached is a ``UserError``.
-- ``chat(messages, max_tokens)`` returns the assistant text of a greedy (temperature 0) reply.
+- ``chat(messages, max_tokens, temperature=0.0)`` returns the assistant text of a greedy reply, or of
+  one sampled at ``temperature`` (> 0).
   Connection failures, timeouts, HTTP 408/429 and 5xx are retried with exponential backoff; when
   the attempts are used up it raises ``UserError`` (the run is resumable, so the message says so).
   Any other HTTP 4xx means the server refuses this particular request (a prompt longer than its
   context, say) and raises ``ServerRejected``, which the caller handles per conversation.
 
-Not done here: streaming, sampling parameters other than greedy, authentication beyond an
+Not done here: streaming, sampling parameters other than the temperature, authentication beyond an
 optional bearer token passed in explicitly, tool calls.
 """
 
@@ -105,10 +106,11 @@ class ChatClient:
         self.model = str(models[0])
         return self.model
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> str:
-        """The assistant reply to ``messages`` (greedy). Raises ``ServerRejected`` or ``UserError``."""
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0) -> str:
+        """The assistant reply to ``messages`` (greedy at temperature 0). Raises ``ServerRejected`` or
+        ``UserError``."""
         body = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
-                "temperature": 0.0, "stream": False}
+                "temperature": float(temperature), "stream": False}
         last = ""
         for attempt in range(self.retries):
             if attempt:
