@@ -24,7 +24,7 @@ The calls, in order (scripts of ``benchmarks/device/``; each one's header says w
    ``.dev/b2 .dev/b3 .dev/commit`` (~62 MiB with the checkout); then ``bash benchmarks/device/deeper.sh``,
    carry ``.dev/b4 .dev/commit`` (``SRC=b5 BASE=data-all2 MERGED=data-all3`` for the rest); and/or
    ``bash benchmarks/device/sampled.sh``, carry ``.dev/b3 .dev/commit``: the first exchanges' replies
-   sampled at ``TEMP`` (0.7) and merged after ``BASE``;
+   sampled at ``TEMP`` (0.7) and merged after ``BASE`` (data-all3, into data-all4);
 3. ``BUDGET=450 DATA=data-all2 bash benchmarks/device/train.sh``; 4. ``bash benchmarks/device/bench.sh``.
 
 A machine left idle for 30 s is taken back with everything under /tmp, and a reply to a long
@@ -75,8 +75,8 @@ def later_exchanges(sharegpt, limit: int) -> list[dict]:
 
 def deeper_exchanges(sharegpt, exchanges=(3, 4, 5)) -> list[dict]:
     """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
-    turns of every conversation whose first 2n turns alternate human, gpt (the reply to regenerate is
-    the last; the earlier ones stay as written)."""
+    turns of every conversation whose first 2n turns alternate human, gpt (``deeper.sh`` regenerates
+    every reply in order, each the context of the next)."""
     out = []
     for n in exchanges:
         for conv in sharegpt.conversations:

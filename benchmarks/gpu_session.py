@@ -167,14 +167,14 @@ def _pack(folder: str, out: str) -> dict:
 
 
 def _without_base_eval(a) -> tuple[str, int]:
-    """``a.dataset`` less the records whose id is in ``a.merge_base``'s eval split (written next to
-    ``a.data_out``), and how many went."""
+    """``a.dataset`` less the conversations that ``a.merge_base``'s eval split holds an exchange of
+    (ids ``X`` and ``X#...`` are conversation X; written next to ``a.data_out``), and how many went."""
     from outrider.fsutil import atomic_write_json
     from outrider.train.data import load_dataset
 
-    held = set(load_dataset(a.merge_base, "eval").conv_ids)
+    held = {str(c).split("#")[0] for c in load_dataset(a.merge_base, "eval").conv_ids}
     records = json.loads(Path(a.dataset).read_text(encoding="utf-8"))
-    kept = [r for r in records if r.get("id") not in held]
+    kept = [r for r in records if str(r.get("id")).split("#")[0] not in held]
     path = f"{a.data_out}.source.json"
     atomic_write_json(Path(path), kept)
     return path, len(records) - len(kept)

@@ -41,9 +41,10 @@ SIZES = {
 def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False, temperature: float = 0.0,
                        seed: int = 0):
     """Token ids in, token ids out, through ``SpecEngine`` (batched): greedy, or sampled at
-    ``temperature`` (> 0), each batch with its own seed (``seed`` + the batches before it)."""
+    ``temperature`` (> 0), batch i seeded ``derived_seed(seed, i)`` (its rows then draw from streams
+    ``RowRandom`` derives from that: no two rows of a run share one)."""
     from outrider.engine import SpecEngine
-    from outrider.sampling import SamplingParams
+    from outrider.sampling import SamplingParams, derived_seed
 
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
     batches = 0
@@ -54,7 +55,7 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
         by_index: dict[int, list[int]] = {}
         for s in range(0, len(order), batch_size):
             idx = order[s:s + batch_size]
-            engine.sampling = SamplingParams(temperature=temperature, seed=seed + batches)
+            engine.sampling = SamplingParams(temperature=temperature, seed=derived_seed(seed, batches))
             batches += 1
             for i, toks in zip(idx, engine.generate([prompts[i] for i in idx], max_new_tokens).tokens):
                 by_index[i] = toks
@@ -62,6 +63,7 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
 
     generate.batch_size = batch_size  # the regeneration's wave size
     generate.temperature = float(temperature)
+    generate.seed = seed
     return generate
 
 

@@ -531,6 +531,8 @@ def test_regenerate_sampled_at_a_temperature(tmp_path, tiny_target):
     assert _replies(tmp_path / "b") == sampled  # a fresh cache, the same seed: the same samples
     build("c", temperature=1.0, seed=1)
     assert sampled != greedy and _replies(tmp_path / "c") != sampled
+    assert build("b", temperature=1.0, seed=1).from_cache == 0  # another seed is not served seed 0's
+    assert _replies(tmp_path / "b") == _replies(tmp_path / "c")
 
 
 def test_sampling_settings_are_checked(tmp_path, target):
@@ -546,21 +548,22 @@ def test_sampling_settings_are_checked(tmp_path, target):
     assert not (tmp_path / "out").exists()
 
 
-def test_sampled_generate_fns_seed_each_batch_and_leave_the_callers_random_state():
+def test_sampled_generate_fns_give_every_row_its_own_stream_and_leave_the_callers_random_state():
     from outrider.demo import engine_generate_fn
 
     model = make_tiny("llama", 1)
     prompt = [3, 94, 7, 8, 2, 3, 95]
     torch.manual_seed(5)
     before = torch.rand(3)
-    for make in (lambda seed: hf_generate_fn(model, 0, [2], batch_size=1, temperature=1.0, seed=seed),
-                 lambda seed: engine_generate_fn(model, [2], batch_size=1, temperature=1.0, seed=seed)):
+    for make in (lambda seed: hf_generate_fn(model, 0, [2], batch_size=2, temperature=1.0, seed=seed),
+                 lambda seed: engine_generate_fn(model, [2], batch_size=2, temperature=1.0, seed=seed)):
         torch.manual_seed(5)
-        first, second = make(0)([prompt, prompt], 12)  # one prompt twice: two batches, two seeds
+        outs = make(0)([prompt] * 4, 12)  # one prompt four times: two batches of two rows
         assert torch.equal(torch.rand(3), before)  # the caller's generator did not move
-        assert first != second
-        assert make(0)([prompt], 12) == [first] and make(1)([prompt], 12) == [second]
-        assert make(0).temperature == 1.0
+        assert len({tuple(o) for o in outs}) == 4  # no two rows drew the same stream
+        assert make(0)([prompt] * 4, 12) == outs  # the same seed: the same samples
+        assert not set(map(tuple, make(1)([prompt] * 4, 12))) & set(map(tuple, outs))  # seed 1 shares none
+        assert make(3).temperature == 1.0 and make(3).seed == 3
 
 
 def test_hf_generate_fn_batches_match_single_prompts():

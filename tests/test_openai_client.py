@@ -30,7 +30,7 @@ class TinyServer:
         self.max_requests = max_requests
         self.requests = 0
         self.chat_requests: list[list[dict]] = []
-        self.temperatures: list[float] = []  # of each chat request (this server itself answers greedily)
+        self.bodies: list[dict] = []  # every chat request's body (this server itself answers greedily)
         self.lock = threading.Lock()
         server = self
 
@@ -75,7 +75,7 @@ class TinyServer:
                     return
                 with server.lock:
                     server.chat_requests.append(messages)
-                    server.temperatures.append(body.get("temperature"))
+                    server.bodies.append(body)
                     text = server.complete(messages, int(body["max_tokens"]))
                 self.reply(200, {"object": "chat.completion", "model": MODEL_NAME,
                                  "choices": [{"index": 0, "finish_reason": "stop",
@@ -179,8 +179,11 @@ def test_regenerate_through_the_server_equals_local_generation(tmp_path, model, 
         served = len(srv.chat_requests)
         sampled = build_dataset(target, src, str(tmp_path / "hot"), regenerate=True, server=srv.url,
                                 max_new_tokens=6, temperature=0.7, eval_fraction=0.0, progress=False)
-    assert srv.temperatures == [0.0] * served + [0.7] * (len(srv.temperatures) - served)
-    assert sampled.regenerated == 9 and len(srv.temperatures) == 2 * served  # no greedy reply served it
+    greedy_bodies, hot_bodies = srv.bodies[:served], srv.bodies[served:]
+    assert all(b["temperature"] == 0.0 and "seed" not in b and "top_p" not in b for b in greedy_bodies)
+    assert all(b["temperature"] == 0.7 and b["top_p"] == 1.0 for b in hot_bodies)
+    assert len({b["seed"] for b in hot_bodies}) == len(hot_bodies) == served  # a seed per request
+    assert sampled.regenerated == 9  # no greedy reply served it
     assert read_manifest(tmp_path / "hot")["regenerate"]["temperature"] == 0.7
     assert report.regenerated == 9 and report.dropped == {"server_rejected": 1}
     assert served == sum(1 + k % 3 for k in range(10) if k != 3)  # every reply of every kept conversation

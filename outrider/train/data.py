@@ -30,10 +30,12 @@ Contract:
   ``manifest.json`` (tokenizer fingerprint, chat-template hash, counts, drop reasons, shards).
 - ``regenerate=True`` replaces each assistant turn, in order, with the target's own greedy reply
   to the conversation so far (``temperature > 0``: a reply sampled at that temperature, no top-k
-  or top-p), through a local ``generate_fn(prompts, max_new_tokens)`` (token ids in, new token ids
-  out; prompts go in waves of similar length, one wave per ``generate_fn.batch_size`` when it
-  declares one; it samples at ``generate_fn.temperature``, 0 when it declares none, which must be
-  the ``temperature`` asked) or an OpenAI-compatible server. Finished conversations are appended to a
+  or top-p, seeded by ``seed``), through a local ``generate_fn(prompts, max_new_tokens)`` (token
+  ids in, new token ids out; prompts go in waves of similar length, one wave per
+  ``generate_fn.batch_size`` when it declares one; it samples at ``generate_fn.temperature`` with
+  ``generate_fn.seed``, 0 when it declares none, which must be the ones asked) or an
+  OpenAI-compatible server (each request seeded from ``seed``, the conversation and the turn).
+  Locally the draws depend on how replies were batched: a resumed run samples the rest afresh. Finished conversations are appended to a
   JSONL cache next to the output (``<out>.regen.jsonl``) and reused on a rerun with the same
   settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
@@ -65,6 +67,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
+from outrider.sampling import derived_seed
 
 FORMAT = "outrider-tokens"
 VERSION = 1
@@ -491,8 +494,8 @@ def _cut_at_end(ids: Sequence[int], end: set[int]) -> list[int]:
 def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size: int = 8,
                    temperature: float = 0.0, seed: int = 0) -> GenerateFn:
     """A ``generate_fn`` from a Hugging Face causal LM: ``model.generate``, left-padded batches; greedy,
-    or sampled at ``temperature`` (> 0) from the whole distribution, batch i drawing from torch's
-    generator seeded with ``seed + i`` (the caller's random state is left as it was)."""
+    or sampled at ``temperature`` (> 0) from the whole distribution, batch i drawing from the
+    model device's default generator seeded ``derived_seed(seed, i)`` (restored afterwards)."""
     from transformers import GenerationConfig
 
     end = sorted(set(int(e) for e in end_ids))
@@ -503,7 +506,8 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
         device = next(model.parameters()).device
         out: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        sampled = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+        sampled = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0,
+                   "typical_p": 1.0, "repetition_penalty": 1.0}  # none of the model's own settings
         config = GenerationConfig(**(sampled if temperature > 0 else {"do_sample": False}),
                                   max_new_tokens=int(max_new_tokens), pad_token_id=pad_token_id,
                                   eos_token_id=end or None)
@@ -516,8 +520,12 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
                 n = len(prompts[i])
                 ids[row, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
                 attn[row, width - n:] = 1
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed + batches)
+            cuda = device.type == "cuda"
+            index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+            with torch.no_grad(), torch.random.fork_rng(devices=[index] if cuda else []):
+                # only the generator that samples is reseeded: the one fork_rng restores
+                gen_state = torch.cuda.default_generators[index] if cuda else torch.default_generator
+                gen_state.manual_seed(derived_seed(seed, batches, 63))
                 gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
                                      generation_config=config)  # [batch, width + new]
             batches += 1
@@ -527,6 +535,7 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
 
     generate.batch_size = batch_size  # the regeneration's wave size
     generate.temperature = float(temperature)
+    generate.seed = seed
     return generate
 
 
@@ -610,7 +619,8 @@ def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: G
 
 
 def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_new_tokens: int, max_length: int,
-                  concurrency: int, cache: _Cache, bar: _Bar, temperature: float = 0.0) -> dict[str, _RegenResult]:
+                  concurrency: int, cache: _Cache, bar: _Bar, temperature: float = 0.0,
+                  seed: int = 0) -> dict[str, _RegenResult]:
     """One thread per conversation in flight; each conversation goes turn by turn."""
     from outrider.train.openai_client import ServerRejected
 
@@ -633,7 +643,8 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
                 stop = "max_length"
                 break
             try:
-                text = client.chat(msgs[:i], max_new_tokens, temperature)
+                text = client.chat(msgs[:i], max_new_tokens, temperature,
+                                   seed=derived_seed(seed, f"{key}:{i}", 31) if temperature else None)
             except ServerRejected:
                 stop = "server_rejected"
                 break
@@ -657,9 +668,10 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
 
 
 def _regen_key(backend: str, conv: Conversation, max_new_tokens: int, max_length: int, template_hash: str,
-               temperature: float = 0.0) -> str:
+               temperature: float = 0.0, seed: int = 0) -> str:
     # greedy keys stay as they were before sampling existed, so that earlier caches still serve
-    settings = [backend, conv.messages, max_new_tokens, max_length, template_hash] + ([temperature] if temperature else [])
+    sampled = [temperature, seed] if temperature else []
+    settings = [backend, conv.messages, max_new_tokens, max_length, template_hash] + sampled
     blob = json.dumps(settings, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:20]
 
@@ -1100,9 +1112,11 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
                 generate_fn: GenerateFn | None, client_options: dict[str, Any],
                 dropped: Counter, temperature: float = 0.0, seed: int = 0) -> tuple[list[Conversation], dict[str, Any]]:
     """Replace assistant turns with the target's replies; cached conversations are not regenerated."""
-    if generate_fn is not None and float(getattr(generate_fn, "temperature", 0.0)) != temperature:
-        raise ValueError(f"generate_fn samples at temperature {getattr(generate_fn, 'temperature', 0.0)}, "
-                         f"the data was asked at {temperature}")
+    if generate_fn is not None:
+        fn_t, fn_seed = float(getattr(generate_fn, "temperature", 0.0)), getattr(generate_fn, "seed", 0)
+        if fn_t != temperature or (temperature and fn_seed != seed):
+            raise ValueError(f"generate_fn samples at temperature {fn_t} (seed {fn_seed}), the data was asked "
+                             f"at {temperature} (seed {seed})")
     cache_file = cache_path_for(out_path)
     cache = _Cache(cache_file)
     client = None
@@ -1116,7 +1130,8 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
     results: dict[str, _RegenResult] = {}
     todo = []
     for conv in conversations:
-        key = _regen_key(f"{backend}:{model_name}", conv, max_new_tokens, max_length, template_hash, temperature)
+        key = _regen_key(f"{backend}:{model_name}", conv, max_new_tokens, max_length, template_hash, temperature,
+                         seed)
         hit = cache.get(conv.conv_id, key)
         if hit is not None:
             results[conv.conv_id] = _RegenResult(list(hit["responses"]), hit.get("stop"))
@@ -1127,7 +1142,7 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
         with _Bar(progress, "regenerating", len(todo)) as bar:
             if todo and client is not None:
                 results.update(_regen_server(todo, tokenizer, client, max_new_tokens, max_length, concurrency,
-                                             cache, bar, temperature))
+                                             cache, bar, temperature, seed))
             elif todo:
                 if generate_fn is None:
                     from outrider.models import load_model
@@ -1147,7 +1162,8 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
             continue
         out.append(Conversation(conv.conv_id, _apply_responses(conv.messages, res.responses)))
     info = {"backend": backend, "model": model_name, "server": server, "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "cache": str(cache_file), "from_cache": from_cache,
+            "temperature": temperature, "seed": seed if temperature else None, "cache": str(cache_file),
+            "from_cache": from_cache,
             "conversations": len(out)}
     return out, info
 

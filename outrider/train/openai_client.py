@@ -6,8 +6,9 @@ Contract:
   threads (each call opens its own connection).
 - ``check()`` confirms the server answers at all and returns the model name to use (the given
   one, or the first one ``/v1/models`` lists). A server that cannot be reached is a ``UserError``.
-- ``chat(messages, max_tokens, temperature=0.0)`` returns the assistant text of a greedy reply, or of
-  one sampled at ``temperature`` (> 0).
+- ``chat(messages, max_tokens, temperature=0.0, seed=None)`` returns the assistant text of a greedy
+  reply, or of one sampled at ``temperature`` (> 0) with ``top_p`` 1 (not the server's default) and
+  the request's ``seed`` when given.
   Connection failures, timeouts, HTTP 408/429 and 5xx are retried with exponential backoff; when
   the attempts are used up it raises ``UserError`` (the run is resumable, so the message says so).
   Any other HTTP 4xx means the server refuses this particular request (a prompt longer than its
@@ -106,11 +107,16 @@ class ChatClient:
         self.model = str(models[0])
         return self.model
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0) -> str:
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
+             seed: int | None = None) -> str:
         """The assistant reply to ``messages`` (greedy at temperature 0). Raises ``ServerRejected`` or
         ``UserError``."""
         body = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
                 "temperature": float(temperature), "stream": False}
+        if temperature:
+            body["top_p"] = 1.0
+        if seed is not None:
+            body["seed"] = int(seed)
         last = ""
         for attempt in range(self.retries):
             if attempt:
