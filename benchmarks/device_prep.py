@@ -129,9 +129,8 @@ def main() -> None:
     for d in (b1, b2, b3, b4, b5, whl):
         size = sum(f.stat().st_size for f in d.iterdir())
         print(f"{d.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
-    print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later and {len(deeper)} deeper "
-          f"exchanges; "
-          f"commit {(dev / 'commit').read_text()}")
+    print(f"{len(prompts)} prompts, {a.first} first exchanges asked, {len(later)} later and "
+          f"{len(deeper)} deeper exchanges; commit {(dev / 'commit').read_text()}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ masked (``kv_cache.py``).
 On CUDA, ``graphs=True`` replays each target forward width (1 for plain decoding, k+1 for
 verification) as a CUDA graph over a static cache that is reused across calls, and lets the
 proposer capture its own steps (EAGLE-3 does); prompts are padded to a multiple of 64 positions
-and their forward replayed as a graph per width too (eager kernels; dense targets). ``compile=True`` fuses the target step with
-``torch.compile`` first (on the CPU it runs compiled without graphs). Plain greedy decoding needs
-no host decision between steps: it runs ``AR_CHUNK`` steps per synchronisation (one graph per
-step that feeds its own argmax back), checking EOS once per chunk. A proposer that works on the
+and their forward replayed as a graph per width too (eager kernels; dense targets).
+``compile=True`` fuses the target step with ``torch.compile`` first (on the CPU it runs compiled
+without graphs). Plain greedy decoding needs no host decision between steps: it runs
+``AR_CHUNK`` steps per synchronisation (one graph per step that feeds its own argmax back),
+checking EOS once per chunk. A proposer that works on the
 device alone (``device_side``, EAGLE-3) is pipelined on CUDA: the next draft is launched behind
 the verification, before the host reads the outcome, so the host's bookkeeping overlaps it.
 A greedy proposer that drafts with device operations alone (``device_rounds``, EAGLE-3) runs,

@@ -35,9 +35,9 @@ Contract:
   ``generate_fn.batch_size`` when it declares one; it samples at ``generate_fn.temperature`` with
   ``generate_fn.seed``, 0 when it declares none, which must be the ones asked) or an
   OpenAI-compatible server (each request seeded from ``seed``, the conversation and the turn).
-  Locally the draws depend on how replies were batched: a resumed run samples the rest afresh. Finished conversations are appended to a
-  JSONL cache next to the output (``<out>.regen.jsonl``) and reused on a rerun with the same
-  settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
+  Locally the draws depend on how replies were batched: a resumed run samples the rest afresh.
+  Finished conversations are appended to a JSONL cache next to the output (``<out>.regen.jsonl``)
+  and reused on a rerun with the same settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
   not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
@@ -521,7 +521,7 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
                 ids[row, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
                 attn[row, width - n:] = 1
             cuda = device.type == "cuda"
-            index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+            index = torch.cuda.current_device() if cuda and device.index is None else device.index
             with torch.no_grad(), torch.random.fork_rng(devices=[index] if cuda else []):
                 # only the generator that samples is reseeded: the one fork_rng restores
                 gen_state = torch.cuda.default_generators[index] if cuda else torch.default_generator
@@ -1163,8 +1163,7 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
         out.append(Conversation(conv.conv_id, _apply_responses(conv.messages, res.responses)))
     info = {"backend": backend, "model": model_name, "server": server, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed if temperature else None, "cache": str(cache_file),
-            "from_cache": from_cache,
-            "conversations": len(out)}
+            "from_cache": from_cache, "conversations": len(out)}
     return out, info
 
 
