@@ -11,6 +11,7 @@ from outrider.head import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
 from outrider.proposers.eagle3 import SLOT_ALIGN, Eagle3Proposer, HeadCache, _pad_left
 from outrider.sampling import SamplingParams
+from outrider.train.ttt import ttt_loss
 
 MAX_NEW = 20
 
@@ -165,3 +166,39 @@ def test_head_cache_slots_are_aligned_and_the_extra_ones_never_seen():
     assert torch.equal(mask[0, 1, :100], torch.ones(100, dtype=torch.bool)) and mask[0, 0, :6].all()
     assert not mask[0, 0, 6:].any() and not mask[:, :, 101:].any()  # past the scratch slot: never
     assert mask[1, 0].nonzero().flatten().tolist() == [100]  # padding sees the scratch slot only
+
+
+def test_whole_chain_is_the_training_unroll(tiny_kind, tiny_models):
+    """Every draft of every round, not only the first, is what the TTT unroll predicts at the round's
+    position when the drafts are the sequence's next tokens: the engine drafts the chain training
+    teaches (the held-out tau the engine measures is then the training's walked tau on that text)."""
+    model = tiny_models(tiny_kind)
+    head, k = _head(model), 3
+    proposer = Eagle3Proposer(head, model)
+    rounds = []
+    propose = proposer.propose
+
+    def spy(k):
+        draft = propose(k)
+        rounds.append((list(proposer.ctx.histories[0]), draft.tokens[0].tolist()))
+        return draft
+
+    proposer.propose = spy
+    SpecEngine(model, proposer, k=k).generate(_prompts()[:1], MAX_NEW)
+    assert len(rounds) > 3
+    dv = head.config.draft_vocab_size
+    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + head.d2t).tolist())}  # target id -> draft id
+    for history, drafts in rounds:
+        seq = torch.tensor([history + drafts])  # [1, L + k]: the drafts as the next tokens
+        L = len(history)
+        with AuxCapture(model, head.config.aux_layer_ids) as cap:
+            model(seq)
+            aux = cap.concat()  # [1, L + k, 3H]
+        # teacher row L-1+j names draft j+1 (the prediction of x_{L+j}); the rows before never decide
+        teacher = torch.zeros(1, L + k, dv)
+        for j, token in enumerate(drafts):
+            teacher[0, L - 1 + j, draft_of[token]] = 1.0
+        with torch.no_grad():
+            out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher,
+                           steps=k, agree_map=True)
+        assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
