@@ -1,31 +1,38 @@
 """How well the trainer's acceptance estimates predict the engine's, on the same texts.
 
-    python benchmarks/walk_check.py --head DIR --data DIR [--examples 10] [--k 3] [--device cpu] [--out F]
+    python benchmarks/walk_check.py --head DIR (--data DIR | --prompts SRC) [--examples 10] [--k 3[,5,...]]
+        [--no-engine] [--max-new 128] [--device cpu] [--out F]
 
-For each of the first examples of the data's eval split: the prompt (the tokens before its first
-assistant turn) is continued greedily by the target through our engine (plain decoding), then the
-head drafts chains of k on that prompt through the engine (``tau``, and the acceptance rate of the
-first draft); on the text prompt + that continuation the trainer's estimates are computed:
-``sim`` (``simulated_accept_len``: 1 + sum of products of per-step accuracies averaged over all
-positions) and ``walked`` (``walked_accept_len``: the spans decoded round by round from the
-per-position agreements). In float32 the engine's first drafts are the trainer's step-0
-predictions, so ``walked`` should equal the engine's tau up to the draft vocabulary (the trainer
-scores agreement with the target's argmax over the draft vocabulary only). Also the step-0
-accuracy over every position (what ``sim`` multiplies) against its value at the positions where
-rounds start, and the share of the continuation's 4-grams seen earlier in the text (repetition,
-which long greedy continuations of a small model fall into and which drafts predict easily).
-Prints a table and a final JSON line; ``--out`` also writes the JSON.
+Texts: the prompts of the first examples of a token dataset's eval split (``--data``: the tokens
+before an example's first assistant turn), or held-out prompts (``--prompts``: 'sharegpt', a .txt or
+a .json list, as ``outrider bench`` takes them), each continued greedily by the target through our
+engine (plain decoding). On each text prompt + continuation the trainer's estimates are computed from
+one TTT unroll of max(k) steps: ``walked`` (``walked_accept_len``: the spans decoded round by round
+from the per-position agreements, the trainer's eval figure) and ``sim`` (``simulated_accept_len``:
+1 + sum of products of per-step accuracies averaged over all positions), for every k of ``--k``.
+Unless ``--no-engine``, the head also drafts chains of each k on the prompt through the engine
+(``tau``, and the acceptance rate of the first draft). In float32 every draft of the engine's chain
+is the unroll's prediction (``tests/test_eagle3_proposer.py``), so ``walked`` equals the engine's tau
+up to each text's last round (the walk stops at the text's end) and to the draft vocabulary (the
+trainer scores agreement with the target's argmax over the draft vocabulary only); ``--no-engine``
+then gives the engine's figure for several k at the cost of one greedy pass per prompt. Also the
+step-0 accuracy over every position (what ``sim`` multiplies) against its value at the positions
+where rounds start, and the share of the continuation's 4-grams seen earlier in the text
+(repetition, which long greedy continuations of a small model fall into and which drafts predict
+easily). Prints a table per k and a final JSON line; ``--out`` also writes the JSON (``by_k``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
-from outrider.bench import repeated_ngrams
+from outrider.bench import load_prompts, repeated_ngrams
 from outrider.engine import SpecEngine, eos_token_ids
+from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
 from outrider.proposers.eagle3 import Eagle3Proposer
@@ -34,16 +41,50 @@ from outrider.train.data import load_dataset
 from outrider.train.ttt import simulated_accept_len, ttt_loss, walked_accept_len
 
 
-def main() -> None:
+def parse_ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--k takes integers separated by commas, got {text!r}") from None
+    if not ks or ks[0] < 1:
+        raise UserError(f"--k needs chain lengths >= 1, got {text!r}")
+    return ks
+
+
+def prompts_of(a: argparse.Namespace, tok) -> list[tuple[list[int], str]]:
+    """(prompt ids, label) of the texts to continue."""
+    if a.prompts:
+        return [(p, f"prompt {i}") for i, p in enumerate(load_prompts(tok, a.prompts, a.examples))]
+    ds = load_dataset(a.data, "eval")
+    out = []
+    for i in range(min(a.examples, len(ds))):
+        ids, mask = ds[i]
+        out.append((ids[:int(mask.nonzero()[0])].long().tolist(), f"example {i}"))
+    return out
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", required=True)
-    ap.add_argument("--data", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="a token dataset folder: the prompts of its eval split")
+    src.add_argument("--prompts", help="held-out prompts: 'sharegpt', a .txt (one per line) or a .json list")
     ap.add_argument("--examples", type=int, default=10)
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--k", default="3", help="chain lengths, e.g. 5 or 3,4,5,6,7")
+    ap.add_argument("--no-engine", action="store_true", help="the trainer's estimates only, no speculative pass")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    try:
+        return run(a)
+    except UserError as e:
+        print(f"walk_check: {e}", file=sys.stderr)
+        return 2
+
+
+def run(a: argparse.Namespace) -> int:
+    ks = parse_ks(a.k)
     dtype = "float32" if a.device == "cpu" else "bfloat16"
     model, tok = load_model("default", device=a.device, dtype=dtype)
     eos = eos_token_ids(model, tok)
@@ -51,63 +92,76 @@ def main() -> None:
     head = proposer.head
     head.bind_embedding(model.get_input_embeddings())
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t
-    ar, spec = SpecEngine(model, None, eos_ids=eos), SpecEngine(model, proposer, k=a.k, eos_ids=eos)
-    ds = load_dataset(a.data, "eval")
-    rows, tot = [], {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "step0": [0, 0], "walk_first": [0, 0],
-                     "repeat": [0, 0]}
-    sim_sum = 0.0
-    print("| example | new tokens | engine tau | walked tau | sim tau | engine first-draft rate | repeated 4-grams |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for i in range(min(a.examples, len(ds))):
-        ids, mask = ds[i]
-        start = int(mask.nonzero()[0])
-        prompt = ids[:start].long().tolist()
+    ar = SpecEngine(model, None, eos_ids=eos)
+    specs = {} if a.no_engine else {k: SpecEngine(model, proposer, k=k, eos_ids=eos) for k in ks}
+    totals = {k: {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "walk_first": [0, 0], "sim": 0.0} for k in ks}
+    step0, repeat, rows = [0, 0], [0, 0], []
+    for prompt, label in prompts_of(a, tok):
         text = ar.generate([prompt], a.max_new).tokens[0]
-        r = spec.generate([prompt], a.max_new)
-        assert r.tokens[0] == text, "speculative output differs from greedy output"
-        seq = torch.tensor([prompt + text], device=model.device)
+        seq = torch.tensor([prompt + text], device=model.device)  # [1, P + T]
         loss_mask = torch.zeros_like(seq)
-        loss_mask[0, start:] = 1
+        loss_mask[0, len(prompt):] = 1  # the continuation is the text the chains walk
         cap = capture(model, seq, None, head.config.aux_layer_ids, draft_ids)
         with torch.no_grad():
             out = ttt_loss(head, head.embed, cap.aux.to(head.fc.weight.dtype), seq, loss_mask, cap.teacher,
-                           steps=a.k, reduction="sum", agree_map=True)
-        w_tok, w_rounds, w_first = walked_accept_len(out.agree, loss_mask, k=a.k)
-        sim = float(simulated_accept_len(out.per_step_acc))
-        tot["engine"][0] += sum(r.accepted) + r.row_steps
-        tot["engine"][1] += r.row_steps
-        tot["walked"][0] += w_tok
-        tot["walked"][1] += w_rounds
-        tot["first"][0] += r.accepted[0]
-        tot["first"][1] += r.proposed[0]
-        tot["step0"][0] += int(out.per_step_correct[0])
-        tot["step0"][1] += int(out.per_step_tokens[0])
-        tot["walk_first"][0] += w_first
-        tot["walk_first"][1] += w_rounds
-        sim_sum += sim
+                           steps=max(ks), reduction="sum", agree_map=True)
+        step0[0] += int(out.per_step_correct[0])
+        step0[1] += int(out.per_step_tokens[0])
         rep, grams = repeated_ngrams(prompt, text)
-        tot["repeat"][0] += rep
-        tot["repeat"][1] += grams
-        row = {"example": i, "new_tokens": len(text), "engine_tau": r.tau, "walked_tau": w_tok / w_rounds,
-               "sim_tau": sim, "engine_first_rate": r.accepted[0] / max(r.proposed[0], 1),
-               "repeated_4grams": rep / max(grams, 1)}
+        repeat[0] += rep
+        repeat[1] += grams
+        row = {"text": label, "new_tokens": len(text), "repeated_4grams": rep / max(grams, 1), "by_k": {}}
+        for k in ks:
+            t = totals[k]
+            w_tok, w_rounds, w_first = walked_accept_len(out.agree, loss_mask, k=k)
+            sim = float(simulated_accept_len(out.per_step_acc[:k]))
+            t["walked"][0] += w_tok
+            t["walked"][1] += w_rounds
+            t["walk_first"][0] += w_first
+            t["walk_first"][1] += w_rounds
+            t["sim"] += sim
+            got = {"walked_tau": w_tok / max(w_rounds, 1), "sim_tau": sim}
+            if specs:
+                r = specs[k].generate([prompt], a.max_new)
+                assert r.tokens[0] == text, "speculative output differs from greedy output"
+                t["engine"][0] += sum(r.accepted) + r.row_steps
+                t["engine"][1] += r.row_steps
+                t["first"][0] += r.accepted[0]
+                t["first"][1] += r.proposed[0]
+                got.update(engine_tau=r.tau, engine_first_rate=r.accepted[0] / max(r.proposed[0], 1))
+            row["by_k"][str(k)] = got
         rows.append(row)
-        print(f"| {i} | {len(text)} | {r.tau:.3f} | {w_tok / w_rounds:.3f} | {sim:.3f} | "
-              f"{row['engine_first_rate']:.3f} | {row['repeated_4grams']:.2f} |", flush=True)
-    summary = {"k": a.k, "examples": len(rows), "device": a.device, "dtype": dtype,
-               "engine_tau": tot["engine"][0] / tot["engine"][1], "walked_tau": tot["walked"][0] / tot["walked"][1],
-               "sim_tau_mean": sim_sum / max(len(rows), 1), "engine_first_rate": tot["first"][0] / tot["first"][1],
-               "step0_acc_all_positions": tot["step0"][0] / tot["step0"][1],
-               "step0_acc_at_round_starts": tot["walk_first"][0] / tot["walk_first"][1],
-               "repeated_4grams": tot["repeat"][0] / max(tot["repeat"][1], 1), "rows": rows}
-    print(f"| all | | {summary['engine_tau']:.3f} | {summary['walked_tau']:.3f} | {summary['sim_tau_mean']:.3f} | "
-          f"{summary['engine_first_rate']:.3f} | {summary['repeated_4grams']:.2f} |")
-    print(f"step-0 accuracy over every position {summary['step0_acc_all_positions']:.3f}, at the positions where "
-          f"rounds start {summary['step0_acc_at_round_starts']:.3f}")
+        print(f"{label}: {len(text)} new tokens, repeated 4-grams {row['repeated_4grams']:.2f}; "
+              + "; ".join(f"k={k} " + ", ".join(f"{n} {v:.3f}" for n, v in g.items()) for k, g in row["by_k"].items()),
+              flush=True)
+    n = max(len(rows), 1)
+    by_k = {}
+    for k in ks:
+        t = totals[k]
+        s = {"walked_tau": t["walked"][0] / max(t["walked"][1], 1), "walked_tokens": t["walked"][0],
+             "walked_rounds": t["walked"][1], "sim_tau_mean": t["sim"] / n,
+             "step0_acc_at_round_starts": t["walk_first"][0] / max(t["walk_first"][1], 1)}
+        if specs:
+            s.update(engine_tau=t["engine"][0] / max(t["engine"][1], 1),
+                     engine_first_rate=t["first"][0] / max(t["first"][1], 1))
+        by_k[str(k)] = s
+    summary = {"ks": ks, "examples": len(rows), "source": a.prompts or a.data, "device": a.device, "dtype": dtype,
+               "max_new": a.max_new, "step0_acc_all_positions": step0[0] / max(step0[1], 1),
+               "repeated_4grams": repeat[0] / max(repeat[1], 1), "by_k": by_k, "rows": rows}
+    print("| k | engine tau | walked tau (tokens / rounds) | sim tau | engine first-draft rate | step 0 at round starts |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k, s in by_k.items():
+        engine = f"{s['engine_tau']:.3f}" if specs else "-"
+        first = f"{s['engine_first_rate']:.3f}" if specs else "-"
+        print(f"| {k} | {engine} | {s['walked_tau']:.3f} ({s['walked_tokens']} / {s['walked_rounds']}) | "
+              f"{s['sim_tau_mean']:.3f} | {first} | {s['step0_acc_at_round_starts']:.3f} |")
+    print(f"step-0 accuracy over every position {summary['step0_acc_all_positions']:.3f}; "
+          f"repeated 4-grams {summary['repeated_4grams']:.2f}")
     if a.out:
         atomic_write_json(a.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
