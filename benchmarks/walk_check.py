@@ -94,7 +94,7 @@ def run(a: argparse.Namespace) -> int:
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t
     ar = SpecEngine(model, None, eos_ids=eos)
     specs = {} if a.no_engine else {k: SpecEngine(model, proposer, k=k, eos_ids=eos) for k in ks}
-    totals = {k: {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "walk_first": [0, 0], "sim": 0.0} for k in ks}
+    totals = {k: {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "walk_first": 0, "sim": 0.0} for k in ks}
     step0, repeat, rows = [0, 0], [0, 0], []
     for prompt, label in prompts_of(a, tok):
         text = ar.generate([prompt], a.max_new).tokens[0]
@@ -117,8 +117,7 @@ def run(a: argparse.Namespace) -> int:
             sim = float(simulated_accept_len(out.per_step_acc[:k]))
             t["walked"][0] += w_tok
             t["walked"][1] += w_rounds
-            t["walk_first"][0] += w_first
-            t["walk_first"][1] += w_rounds
+            t["walk_first"] += w_first
             t["sim"] += sim
             got = {"walked_tau": w_tok / max(w_rounds, 1), "sim_tau": sim}
             if specs:
@@ -140,7 +139,7 @@ def run(a: argparse.Namespace) -> int:
         t = totals[k]
         s = {"walked_tau": t["walked"][0] / max(t["walked"][1], 1), "walked_tokens": t["walked"][0],
              "walked_rounds": t["walked"][1], "sim_tau_mean": t["sim"] / n,
-             "step0_acc_at_round_starts": t["walk_first"][0] / max(t["walk_first"][1], 1)}
+             "step0_acc_at_round_starts": t["walk_first"] / max(t["walked"][1], 1)}
         if specs:
             s.update(engine_tau=t["engine"][0] / max(t["engine"][1], 1),
                      engine_first_rate=t["first"][0] / max(t["first"][1], 1))

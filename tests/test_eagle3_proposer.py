@@ -52,18 +52,10 @@ def test_first_draft_equals_full_recomputation(tiny_kind, tiny_models):
     model = tiny_models(tiny_kind)
     head = _head(model)
     proposer = Eagle3Proposer(head, model)
-    seen = []
-    propose = proposer.propose
-
-    def spy(k):
-        draft = propose(k)
-        seen.append((int(draft.tokens[0, 0]), list(proposer.ctx.histories[0])))
-        return draft
-
-    proposer.propose = spy
+    rounds = _rounds(proposer)
     SpecEngine(model, proposer, k=3).generate(_prompts()[:1], MAX_NEW)
-    assert len(seen) > 3
-    for first, history in seen:
+    assert len(rounds) > 3
+    for history, (first, *_) in rounds:
         seq = torch.tensor([history])
         with AuxCapture(model, head.config.aux_layer_ids) as cap:
             model(seq)
@@ -72,6 +64,20 @@ def test_first_draft_equals_full_recomputation(tiny_kind, tiny_models):
         logits, _ = head(model.get_input_embeddings()(seq[:, 1:]), head.fuse(aux[:, :-1]),
                          torch.arange(seq.shape[1] - 1)[None])
         assert int(head.map_to_target(logits[0, -1].argmax())) == first
+
+
+def _rounds(proposer: Eagle3Proposer) -> list:
+    """Every round ``proposer.propose`` drafts from now on, of the batch's first row: (its history
+    when the round was drafted, the drafted tokens)."""
+    seen, propose = [], proposer.propose
+
+    def recording(k):
+        draft = propose(k)
+        seen.append((list(proposer.ctx.histories[0]), draft.tokens[0].tolist()))
+        return draft
+
+    proposer.propose = recording
+    return seen
 
 
 def _drafts(proposer: Eagle3Proposer) -> list:
@@ -175,15 +181,7 @@ def test_whole_chain_is_the_training_unroll(tiny_kind, tiny_models):
     model = tiny_models(tiny_kind)
     head, k = _head(model), 3
     proposer = Eagle3Proposer(head, model)
-    rounds = []
-    propose = proposer.propose
-
-    def spy(k):
-        draft = propose(k)
-        rounds.append((list(proposer.ctx.histories[0]), draft.tokens[0].tolist()))
-        return draft
-
-    proposer.propose = spy
+    rounds = _rounds(proposer)
     SpecEngine(model, proposer, k=k).generate(_prompts()[:1], MAX_NEW)
     assert len(rounds) > 3
     dv = head.config.draft_vocab_size

@@ -504,6 +504,8 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         nonlocal batches
         device = next(model.parameters()).device
+        cuda = device.type == "cuda"
+        index = torch.cuda.current_device() if cuda and device.index is None else device.index
         out: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         sampled = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0,
@@ -520,8 +522,6 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
                 n = len(prompts[i])
                 ids[row, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
                 attn[row, width - n:] = 1
-            cuda = device.type == "cuda"
-            index = torch.cuda.current_device() if cuda and device.index is None else device.index
             with torch.no_grad(), torch.random.fork_rng(devices=[index] if cuda else []):
                 # only the generator that samples is reseeded: the one fork_rng restores
                 gen_state = torch.cuda.default_generators[index] if cuda else torch.default_generator
