@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from outrider.errors import UserError, require
-from outrider.kv_cache import PROMPT_BUCKET, CachedLM, prefill_graphs_apply
+from outrider.kv_cache import PROMPT_BUCKET, CachedLM, cached_lm_read_len, prefill_graphs_apply, static_cache
 from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.sampling import RowRandom, SamplingParams, probs, sample
 from outrider.spec_rounds import DeviceRounds
@@ -177,6 +177,19 @@ class SpecEngine:
         lm.reset()
         return lm
 
+    def _decode_slots(self, B: int, max_new: int) -> int:
+        """Cache slots a request's decoding may take after its prompt. A step takes k+1 slots (its
+        rejected ones stay masked); device rounds reuse them, so that the rounds take at most the
+        tokens each row verifies: up to ``max_new`` + k, plus the rest of the chunk in which the
+        row stopped (``settle``'s accounting, summed over the rows)."""
+        k = self.k
+        per_step = (max_new + 1) * (k + 1)
+        static = static_cache(cached_lm_read_len(self.read_len, self.device, self.graphs, self.compile), self.device)
+        if not (static and self._rounds_apply()):
+            return per_step
+        per_row = max_new + k + (self.rounds - 1) * (k + 1)
+        return (k + 1) + min(B * per_row, per_step)  # the first step, then the rounds
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -210,7 +223,7 @@ class SpecEngine:
         width = min(-(-P // PROMPT_BUCKET) * PROMPT_BUCKET, limit or P + PROMPT_BUCKET)
         if not (self.graphs and prefill_graphs_apply(self.target, B, width)):
             width = P
-        max_len = max(P + (max_new_tokens + 1) * (k + 1) + 1, width)
+        max_len = max(P + self._decode_slots(B, max_new_tokens) + 1, width)
         aux_ids = self.proposer.aux_layer_ids if self.proposer is not None else None
         target = self._target_lm(B, max_len, aux_ids)
         rand = RowRandom(B, self.sampling.seed, stream=0)
@@ -334,8 +347,12 @@ class SpecEngine:
     def _device_rounds(self, target: CachedLM) -> bool:
         """Run greedy speculation as device rounds (``outrider.spec_rounds``)? For a proposer that
         drafts with device operations alone, over a static cache, after a pipelined first step."""
+        return self._rounds_apply() and self._ahead(target)
+
+    def _rounds_apply(self) -> bool:
+        """Device rounds, given a static cache: greedy, and a proposer that drafts on the device alone."""
         return (self.rounds > 0 and self.sampling.greedy and getattr(self.proposer, "device_rounds", False)
-                and self._ahead(target))
+                and getattr(self.proposer, "device_side", False))
 
     def _round_chunk(self, target: CachedLM, last: torch.Tensor, alive: list[bool], result: GenerationResult,
                      histories: list[list[int]], max_new: int, marks: "_Marks") -> torch.Tensor:
@@ -361,6 +378,7 @@ class SpecEngine:
         else:
             self._rounds.active.copy_(active)
         host = self._rounds.run(n, marks.mark).tolist()  # [batch][round][n_acc, num, k+1 tokens]
+        self._rounds.settle(host)
         marks.mark("observe")
         for r in range(n):
             if not any(alive):

@@ -97,13 +97,9 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device | str,
                  read_len: str = "auto"):
-        if read_len not in ("used", "max", "auto"):
-            raise ValueError(read_len)
-        if read_len == "auto":  # fixed attention shapes on CUDA: no kernel re-planning per length
-            read_len = "max" if torch.device(device).type == "cuda" else "used"
         self.rows = batch_size
         self.max_len = max_len
-        self.static = read_len == "max"
+        self.static = static_cache(read_len, device)
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [batch, max_len]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [batch]
@@ -364,6 +360,20 @@ def compiled(fn: Callable, backend: str, dynamic: bool | None = None) -> Callabl
     return frozen
 
 
+def static_cache(read_len: str, device: torch.device | str) -> bool:
+    """Does a ``SlotCache`` with this ``read_len`` on ``device`` hand attention the whole buffer
+    (``"max"``; ``"auto"`` on CUDA), keeping its first free slot on the device?"""
+    if read_len not in ("used", "max", "auto"):
+        raise ValueError(read_len)
+    # "auto": fixed attention shapes on CUDA, no kernel re-planning per length
+    return read_len == "max" or (read_len == "auto" and torch.device(device).type == "cuda")
+
+
+def cached_lm_read_len(read_len: str, device: torch.device | str, graphs: bool, compile: bool | str) -> str:
+    """The ``read_len`` a ``CachedLM`` gives its cache: ``"max"`` for graphs (CUDA) or a compiled step."""
+    return "max" if (graphs and torch.device(device).type == "cuda") or compile else read_len
+
+
 def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # [n, n]
 
@@ -390,8 +400,7 @@ class CachedLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and self.device.type == "cuda"
-        if self.graphs or compile:
-            read_len = "max"
+        read_len = cached_lm_read_len(read_len, self.device, graphs, compile)
         self.cache = SlotCache(model.config.num_hidden_layers, batch_size, max_len, self.device, read_len)
         # hooks on only while this cache's steps run: another cache of the same model adds none
         self.capture = AuxCapture(model, aux_layer_ids, attach=False) if aux_layer_ids else None

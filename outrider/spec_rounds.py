@@ -6,13 +6,16 @@ cache (``read_len="max"``: slot arithmetic on the device) and a ``device_side`` 
 
     verify   the target's forward over [last, d_1..d_k] in slots ptr..ptr+k, greedy acceptance
              (``verify_greedy``), rows not ``active`` accept nothing and emit nothing;
-    commit   the accepted slots become valid, the rows' lengths grow, ptr advances by k+1 on the
-             device (rejected slots stay masked; every round takes k+1 slots whatever it accepts);
+    commit   the accepted slots become valid, the rows' lengths grow, ptr advances on the device
+             past the last slot any row keeps (1 + the most accepted drafts): the next round's
+             verification overwrites the rejected slots after it (at batch 1 a round takes as
+             many slots as it emits tokens; the slots of a row that kept fewer stay masked);
     record   (accepted count, drafted count, the k+1 verified tokens) into a device buffer;
     draft    ``proposer.observe`` then ``proposer.propose_device(k)`` for the next round.
 
 ``run(rounds)`` queues that many rounds without reading anything back and returns the records
-``[batch, rounds, 2 + k+1]`` (on the device; the caller reads them once). The tokens are exactly
+``[batch, rounds, 2 + k+1]`` (on the device; the caller reads them once and hands them to
+``settle``, which brings the host's copy of the first free slot up to the device's). The tokens are exactly
 those the engine's one-step-per-synchronisation loop emits: the same operations in the same order.
 On CUDA with ``graphs=True`` a round is captured once as two CUDA graphs, replayed back to back:
 the verification (the target's step, the acceptance, the commit) and the draft (the head's whole
@@ -57,7 +60,7 @@ def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tenso
     keep = (positions[None, :] <= n_acc[:, None]) & active[:, None]  # [batch, k+1]
     valid.index_copy_(1, slots, keep)
     lengths.add_(keep.sum(dim=1))
-    ptr.add_(k + 1)
+    ptr.add_(n_acc.max() + 1)  # reuse the slots no row kept
     record = torch.cat([n_acc[:, None], num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
     records.index_copy_(1, counter, record[:, None])
     counter.add_(1)
@@ -166,6 +169,11 @@ class DeviceRounds:
                 outputs = self._verify()
                 mark("propose")
                 self._draft(*outputs)
-        cache.ptr += rounds * (k + 1)
         cache.n_pending = 0
         return self.records[:, :rounds]
+
+    def settle(self, records: list[list[list[int]]]) -> None:
+        """The host's first free slot after the rounds whose records ``run`` returned, read back
+        ([batch][round][accepted, drafted, k+1 tokens]): each round advanced it past the last slot
+        any row kept, as ``_accept_round`` did on the device."""
+        self.target.cache.ptr += sum(max(row[r][0] for row in records) + 1 for r in range(len(records[0])))

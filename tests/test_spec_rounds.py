@@ -25,8 +25,8 @@ MAX_NEW = 30
 
 class Scripted(Proposer):
     """Drafts the next k tokens of each row's reference continuation, with draft position
-    ``round mod (k+1)`` of a row spoiled (none when it is k): every acceptance length from 0 to k
-    occurs (device operations only)."""
+    ``(round + row) mod (k+1)`` of a row spoiled (none when it is k): every acceptance length from 0
+    to k occurs, and rows of a round accept different numbers (device operations only)."""
 
     name = "scripted"
     device_side = True
@@ -47,7 +47,8 @@ class Scripted(Proposer):
     def propose_device(self, k: int) -> torch.Tensor:
         idx = (self.pos[:, None] + torch.arange(k, device=self.pos.device)).clamp_max(self.ref.shape[1] - 1)
         good = self.ref.gather(1, idx)  # [batch, k]
-        spoil = torch.arange(k, device=idx.device)[None, :] == (self.rounds[:, None] % (k + 1))
+        row = torch.arange(idx.shape[0], device=idx.device)
+        spoil = torch.arange(k, device=idx.device)[None, :] == ((self.rounds + row)[:, None] % (k + 1))
         return torch.where(spoil, (good + 1) % self.vocab, good)
 
     def propose(self, k: int) -> Draft:
@@ -126,3 +127,27 @@ def test_compiled_acceptance_emits_what_the_step_loop_emits(tiny_models):
     _, steps = _run(model, prompts, refs, 3, "used")
     assert fused.tokens == refs == steps.tokens
     assert fused.accepted == steps.accepted and fused.row_steps == steps.row_steps
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rounds_reuse_the_slots_no_row_kept(tiny_models, batch):
+    """Each round's verification starts right after the last slot any row kept, overwriting the
+    rejected ones: at batch 1 the rounds take as many slots as they verify tokens (a round of k+1
+    slots each before), the cache is sized for that, and the host's first free slot (``settle``)
+    is the device's; rows accepting different numbers per round still decode exactly."""
+    model = tiny_models("llama")
+    prompts = _prompts()[:batch]
+    refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    k = 3
+    engine, got = _run(model, prompts, refs, k, "max")
+    assert got.tokens == refs
+    cache = engine._rounds.target.cache
+    assert cache.ptr == int(cache.ptr_dev)
+    rounds = got.steps - 1  # after the first step, from the prompt
+    P = max(len(p) for p in prompts)
+    taken = cache.ptr - P - (k + 1)  # the rounds' slots
+    if batch == 1:
+        assert taken <= len(got.tokens[0]) + k < rounds * (k + 1)
+        assert cache.max_len < P + (MAX_NEW + 1) * (k + 1)
+    else:
+        assert taken < rounds * (k + 1)
