@@ -58,11 +58,12 @@ PART = 57_500_000  # bytes of the GGUF in the first call: the rest, with the dat
 def later_exchanges(sharegpt, limit: int) -> list[dict]:
     """Training-split exchanges after the first: turns 1-4 of conversations that have them, then the
     first exchange of conversation parts that open with a reply (their earlier turns are elsewhere)."""
+    held = assets.held_out_filter(sharegpt.conversations)
     out = []
     for conv in sharegpt.conversations:
         turns = conv.get("conversations") or []
         who = [t.get("from") for t in turns]
-        if assets.heldout(conv["id"]):
+        if held(conv):
             continue
         if who[:4] == ["human", "gpt", "human", "gpt"]:
             out.append({"id": conv["id"] + "#2", "conversations": turns[:4]})
@@ -77,11 +78,12 @@ def deeper_exchanges(sharegpt, exchanges=(3, 4, 5)) -> list[dict]:
     """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
     turns of every conversation whose first 2n turns alternate human, gpt (``deeper.sh`` regenerates
     every reply in order, each the context of the next)."""
+    held = assets.held_out_filter(sharegpt.conversations)
     out = []
     for n in exchanges:
         for conv in sharegpt.conversations:
             turns = conv.get("conversations") or []
-            if assets.heldout(conv["id"]) or len(turns) < 2 * n:
+            if held(conv) or len(turns) < 2 * n:
                 continue
             if all(t.get("from") == ("human", "gpt")[i % 2] for i, t in enumerate(turns[:2 * n])):
                 out.append({"id": f"{conv['id']}#{n}", "conversations": turns[:2 * n]})

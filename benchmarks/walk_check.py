@@ -1,7 +1,7 @@
 """How well the trainer's acceptance estimates predict the engine's, on the same texts.
 
     python benchmarks/walk_check.py --head DIR (--data DIR | --prompts SRC) [--examples 10] [--k 3[,5,...]]
-        [--no-engine] [--max-new 128] [--device cpu] [--out F]
+        [--no-engine] [--read-len auto|max] [--max-new 128] [--device cpu] [--out F]
 
 Texts: the prompts of the first examples of a token dataset's eval split (``--data``: the tokens
 before an example's first assistant turn), or held-out prompts (``--prompts``: 'sharegpt', a .txt or
@@ -11,7 +11,8 @@ one TTT unroll of max(k) steps: ``walked`` (``walked_accept_len``: the spans dec
 from the per-position agreements, the trainer's eval figure) and ``sim`` (``simulated_accept_len``:
 1 + sum of products of per-step accuracies averaged over all positions), for every k of ``--k``.
 Unless ``--no-engine``, the head also drafts chains of each k on the prompt through the engine
-(``tau``, and the acceptance rate of the first draft). In float32 every draft of the engine's chain
+(``tau``, and the acceptance rate of the first draft; ``--read-len max``: over the static slot cache,
+so that greedy chains run as device rounds, the GPU's path, on the CPU too). In float32 every draft of the engine's chain
 is the unroll's prediction (``tests/test_eagle3_proposer.py``), so ``walked`` equals the engine's tau
 up to each text's last round (the walk stops at the text's end) and to the draft vocabulary (the
 trainer scores agreement with the target's argmax over the draft vocabulary only); ``--no-engine``
@@ -72,6 +73,8 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=10)
     ap.add_argument("--k", default="3", help="chain lengths, e.g. 5 or 3,4,5,6,7")
     ap.add_argument("--no-engine", action="store_true", help="the trainer's estimates only, no speculative pass")
+    ap.add_argument("--read-len", default="auto", choices=("auto", "used", "max"),
+                    help="the speculative engines' cache reads (max: static, device rounds on any device)")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
@@ -93,7 +96,7 @@ def run(a: argparse.Namespace) -> int:
     head.bind_embedding(model.get_input_embeddings())
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t
     ar = SpecEngine(model, None, eos_ids=eos)
-    specs = {} if a.no_engine else {k: SpecEngine(model, proposer, k=k, eos_ids=eos) for k in ks}
+    specs = {} if a.no_engine else {k: SpecEngine(model, proposer, k=k, eos_ids=eos, read_len=a.read_len) for k in ks}
     totals = {k: {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "walk_first": 0, "sim": 0.0} for k in ks}
     step0, repeat, rows = [0, 0], [0, 0], []
     for prompt, label in prompts_of(a, tok):
@@ -145,6 +148,7 @@ def run(a: argparse.Namespace) -> int:
                      engine_first_rate=t["first"][0] / max(t["first"][1], 1))
         by_k[str(k)] = s
     summary = {"ks": ks, "examples": len(rows), "source": a.prompts or a.data, "device": a.device, "dtype": dtype,
+               "read_len": a.read_len,
                "max_new": a.max_new, "step0_acc_all_positions": step0[0] / max(step0[1], 1),
                "repeated_4grams": repeat[0] / max(repeat[1], 1), "by_k": by_k, "rows": rows}
     print("| k | engine tau | walked tau (tokens / rounds) | sim tau | engine first-draft rate | step 0 at round starts |")

@@ -23,6 +23,10 @@ Contract:
   and a note on what the cut dropped, instead of an exception.
 - ``heldout`` is the one train/benchmark split: a stable hash of the conversation id with its
   ``_N`` part suffix removed, so every part of one original conversation falls on the same side.
+  ShareGPT also repeats a conversation's opening prompt under other ids ("hi", a popular
+  question): ``held_out_filter`` holds out, besides the held-out ids, every conversation that opens
+  with a held-out conversation's prompt (case and whitespace folded), so that no benchmark
+  prompt's reply is ever learnt. Training data built from the embedded file uses it.
 
 Not done here: downloading from a model hub, converting quantised weights to anything but
 float32, reading dataset formats other than ShareGPT's ``{"id", "conversations": [...]}`` list.
@@ -658,6 +662,39 @@ def heldout(conv_id: str) -> bool:
     return int.from_bytes(digest, "big") % _HELDOUT_BUCKETS < round(HELDOUT_FRACTION * _HELDOUT_BUCKETS)
 
 
+def opening_prompt(conv: dict[str, Any]) -> str | None:
+    """The text of a conversation's opening user turn (after any system turns), or None: a part of
+    a split conversation that opens with the assistant, an empty turn, a record without turns."""
+    turns = [t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"]
+    if not turns or turns[0].get("from") not in ("human", "user"):
+        return None
+    value = turns[0].get("value")
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def prompt_key(text: str) -> str:
+    """What two copies of one prompt share: case and runs of whitespace folded."""
+    return " ".join(text.split()).casefold()
+
+
+def held_out_filter(conversations: Iterable[dict[str, Any]] | ShareGPT) -> Callable[[dict[str, Any]], bool]:
+    """A predicate for building training data from ``conversations``: True for a held-out
+    conversation (``heldout`` of its id) and for one that opens with the same prompt as a held-out
+    conversation (``prompt_key``): ShareGPT repeats prompts under other ids (128 of the embedded
+    file's 17,316 training-split conversations open with a held-out prompt, "hi" 65 times), and a
+    regenerated reply to a benchmark prompt in the training data would inflate its acceptance."""
+    if isinstance(conversations, ShareGPT):
+        conversations = conversations.conversations
+    openings = {prompt_key(p) for conv in conversations
+                if heldout(str(conv.get("id", ""))) and (p := opening_prompt(conv)) is not None}
+
+    def held(conv: dict[str, Any]) -> bool:
+        p = opening_prompt(conv)
+        return heldout(str(conv.get("id", ""))) or (p is not None and prompt_key(p) in openings)
+
+    return held
+
+
 def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout_only: bool = True,
                      limit: int | None = None) -> list[str]:
     """The opening user turn of each conversation, in file order, duplicates removed.
@@ -665,11 +702,15 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
     A conversation counts only if its first turn after any system turns is a non-empty user
     turn: later parts of a split conversation open with the assistant, and their first user
     turn ("continue") means nothing without what came before. With ``heldout_only`` (the
-    default, for benchmarks) only held-out conversations are used, so no prompt returned here is
-    ever part of training data built from the other split.
+    default, for benchmarks) only held-out conversations are used, less those whose prompt also
+    opens a training-split conversation (``prompt_key``): training data built before
+    ``held_out_filter`` existed, or by another tool from the same file, may hold its reply.
     """
     if isinstance(conversations, ShareGPT):
         conversations = conversations.conversations
+    conversations = list(conversations)
+    trained = {prompt_key(p) for conv in conversations
+               if not heldout(str(conv.get("id", ""))) and (p := opening_prompt(conv)) is not None}
     prompts: list[str] = []
     seen: set[str] = set()
     for conv in conversations:
@@ -677,11 +718,10 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
             break
         if heldout_only and not heldout(conv.get("id", "")):
             continue
-        turns = [t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"]
-        if not turns or turns[0].get("from") not in ("human", "user"):
+        value = opening_prompt(conv)
+        if heldout_only and value is not None and prompt_key(value) in trained:
             continue
-        value = turns[0].get("value")
-        if isinstance(value, str) and value.strip() and value not in seen:
+        if value is not None and value not in seen:
             seen.add(value)
             prompts.append(value)
     return prompts

@@ -159,10 +159,11 @@ def _first_exchanges(sharegpt, limit: int, path: Path) -> Path:
     """
     from outrider import assets
 
+    held = assets.held_out_filter(sharegpt)
     picked = []
     for conv in sharegpt.conversations:
         turns = conv.get("conversations") or []
-        if assets.heldout(conv["id"]) or len(turns) < 2 or turns[0].get("from") != "human":
+        if held(conv) or len(turns) < 2 or turns[0].get("from") != "human":
             continue
         picked.append({"id": conv["id"], "conversations": turns[:2]})
         if len(picked) >= limit:

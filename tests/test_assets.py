@@ -275,6 +275,31 @@ def test_first_user_turns():
     assert first_user_turns(convs, heldout_only=False, limit=1) == ["P1"]
 
 
+def test_conversations_opening_with_a_held_out_prompt_are_held_out():
+    """ShareGPT repeats prompts under other ids: a training-split conversation that opens with a
+    held-out prompt (other case, other whitespace) is held out of training data, as the held-out ones."""
+    held = [f"h{i}" for i in range(5000) if heldout(f"h{i}")][:2]
+    kept = [f"k{i}" for i in range(5000) if not heldout(f"k{i}")][:5]
+    convs = [
+        {"id": held[0], "conversations": [{"from": "human", "value": "What is  the best\ntactic?"},
+                                          {"from": "gpt", "value": "A"}]},
+        {"id": held[1], "conversations": [{"from": "gpt", "value": "a reply first"}]},  # no opening prompt
+        {"id": kept[0], "conversations": [{"from": "system", "value": "s"}, {"from": "human",
+                                          "value": " what is the best tactic? "}, {"from": "gpt", "value": "B"}]},
+        {"id": kept[1], "conversations": [{"from": "human", "value": "What is the best tactic here?"}]},
+        {"id": kept[2], "conversations": [{"from": "human", "value": "hi"},
+                                          {"from": "human", "value": "What is the best tactic?"}]},
+        {"id": kept[3], "conversations": [{"from": "gpt", "value": "a reply first"}]},
+        {"id": kept[4], "conversations": []},
+    ]
+    held_out = assets.held_out_filter(convs)
+    assert [held_out(c) for c in convs] == [True, True, True, False, False, False, False]
+    assert assets.opening_prompt(convs[2]) == " what is the best tactic? " and assets.opening_prompt(convs[5]) is None
+    assert first_user_turns(convs, heldout_only=False)[:1] == ["What is  the best\ntactic?"]
+    assert first_user_turns(convs) == []  # a training-split conversation opens with it: no benchmark prompt
+    assert first_user_turns(convs[:2] + convs[3:]) == ["What is  the best\ntactic?"]
+
+
 # ----------------------------------------------------------------------------- pull on tiny inputs
 
 

@@ -394,13 +394,19 @@ def test_length_grouped_batches_cover_the_epoch_with_less_padding(tmp_path, targ
 def test_heldout_conversations_never_reach_training_data(tmp_path, monkeypatch, target):
     monkeypatch.setenv("OUTRIDER_HOME", str(tmp_path / "home"))
     convs = many_conversations(300)
+    held = {c for c, _ in convs if assets.heldout(c)}
+    assert 0 < len(held) < 30
+    # a held-out conversation's prompt again under a training-split id, spaced and cased otherwise
+    c0, turns0 = next((c, t) for c, t in convs if c in held)
+    prompt = next(text for role, text in turns0 if role == "user")
+    copy = next(f"x{i}" for i in range(1000) if not assets.heldout(f"x{i}"))
+    convs.append((copy, [("user", "  " + prompt.upper().replace(" ", "\n")), ("assistant", "w7 w8")]))
+    held.add(copy)
     path = assets.sharegpt_path()
     path.parent.mkdir(parents=True)
     write_json(path, [sharegpt_record(c, t) for c, t in convs])
-    held = {c for c, _ in convs if assets.heldout(c)}
-    assert 0 < len(held) < 30
     report = build_dataset(target, "sharegpt", str(tmp_path / "out"), eval_fraction=0.1, progress=False)
-    assert report.heldout_excluded == len(held) and report.scanned == 300 - len(held)
+    assert report.heldout_excluded == len(held) and report.scanned == 301 - len(held)
     seen = set(load_dataset(tmp_path / "out", "train").conv_ids) | set(load_dataset(tmp_path / "out", "eval").conv_ids)
     assert seen and not seen & held
     limited = build_dataset(target, "sharegpt", str(tmp_path / "out2"), max_conversations=50, progress=False)

@@ -19,18 +19,20 @@ def _ids(want_heldout: bool, n: int) -> list[str]:
     return [c for c in ids if heldout(c) == want_heldout][:n]
 
 
-def _turns(whos: str) -> list[dict]:
-    return [{"from": {"h": "human", "g": "gpt"}[w], "value": f"turn {i}"} for i, w in enumerate(whos)]
+def _turns(whos: str, opening: str = "") -> list[dict]:
+    return [{"from": {"h": "human", "g": "gpt"}[w], "value": f"turn {i}" if i or not opening else opening}
+            for i, w in enumerate(whos)]
 
 
 def test_deeper_exchanges_take_the_first_2n_alternating_turns_of_the_training_split():
-    a, b, c = _ids(False, 3)
+    a, b, c, d = _ids(False, 4)
     (held,) = _ids(True, 1)
     sharegpt = SimpleNamespace(conversations=[
         {"id": a, "conversations": _turns("hghghghghg")},   # 5 exchanges: #3, #4 and #5
         {"id": b, "conversations": _turns("hghghhg")},      # 3rd exchange broken (two human turns)
         {"id": c, "conversations": _turns("hghghgh")},      # 3 exchanges and a question: #3 only
-        {"id": held, "conversations": _turns("hghghghg")},  # held out: never
+        {"id": held, "conversations": _turns("hghghghg", "a held-out prompt")},  # held out: never
+        {"id": d, "conversations": _turns("hghghghg", "A held-out  prompt")},  # opens with it: never
     ])
     out = device_prep.deeper_exchanges(sharegpt)
     assert [r["id"] for r in out] == [f"{a}#3", f"{c}#3", f"{a}#4", f"{a}#5"]

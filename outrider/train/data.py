@@ -194,15 +194,16 @@ class _Source:
 
 
 def _load_source(dataset: str, max_conversations: int | None) -> _Source:
-    """Read, normalise and limit the conversations; held-out ShareGPT ones are excluded."""
-    exclude: Callable[[str], bool] | None = None
+    """Read, normalise and limit the conversations; held-out ShareGPT ones are excluded (by id, or
+    opening with a held-out prompt: ``assets.held_out_filter``)."""
+    exclude: Callable[[dict], bool] | None = None  # held out for benchmarks (the embedded ShareGPT)
     note = ""
     if dataset == "sharegpt":
         from outrider import assets
 
         sg = assets.load_sharegpt()
         records = list(sg.conversations)
-        exclude = assets.heldout
+        exclude = assets.held_out_filter(records)
         note = str(getattr(sg, "note", "") or "")
         name = "sharegpt"
         if not records:
@@ -217,7 +218,7 @@ def _load_source(dataset: str, max_conversations: int | None) -> _Source:
             break
         raw_id = record.get("id", record.get("conversation_id")) if isinstance(record, dict) else None
         raw_id = str(index) if raw_id is None else str(raw_id)
-        if exclude is not None and exclude(raw_id):
+        if exclude is not None and isinstance(record, dict) and exclude(record):
             src.heldout_excluded += 1
             continue
         src.scanned += 1
