@@ -677,16 +677,21 @@ def prompt_key(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+def _openings(conversations: Iterable[dict[str, Any]] | ShareGPT, held_out: bool) -> set[str]:
+    """The ``prompt_key`` of every opening prompt of the held-out (or the training-split) conversations."""
+    if isinstance(conversations, ShareGPT):
+        conversations = conversations.conversations
+    return {prompt_key(p) for conv in conversations
+            if heldout(str(conv.get("id", ""))) == held_out and (p := opening_prompt(conv)) is not None}
+
+
 def held_out_filter(conversations: Iterable[dict[str, Any]] | ShareGPT) -> Callable[[dict[str, Any]], bool]:
     """A predicate for building training data from ``conversations``: True for a held-out
     conversation (``heldout`` of its id) and for one that opens with the same prompt as a held-out
     conversation (``prompt_key``): ShareGPT repeats prompts under other ids (128 of the embedded
     file's 17,316 training-split conversations open with a held-out prompt, "hi" 65 times), and a
     regenerated reply to a benchmark prompt in the training data would inflate its acceptance."""
-    if isinstance(conversations, ShareGPT):
-        conversations = conversations.conversations
-    openings = {prompt_key(p) for conv in conversations
-                if heldout(str(conv.get("id", ""))) and (p := opening_prompt(conv)) is not None}
+    openings = _openings(conversations, held_out=True)
 
     def held(conv: dict[str, Any]) -> bool:
         p = opening_prompt(conv)
@@ -709,8 +714,7 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
     if isinstance(conversations, ShareGPT):
         conversations = conversations.conversations
     conversations = list(conversations)
-    trained = {prompt_key(p) for conv in conversations
-               if not heldout(str(conv.get("id", ""))) and (p := opening_prompt(conv)) is not None}
+    trained = _openings(conversations, held_out=False) if heldout_only else set()
     prompts: list[str] = []
     seen: set[str] = set()
     for conv in conversations:
@@ -719,7 +723,7 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
         if heldout_only and not heldout(conv.get("id", "")):
             continue
         value = opening_prompt(conv)
-        if heldout_only and value is not None and prompt_key(value) in trained:
+        if value is not None and prompt_key(value) in trained:
             continue
         if value is not None and value not in seen:
             seen.add(value)
