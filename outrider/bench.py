@@ -289,6 +289,10 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "decode_speedup_vs_ar": statistics.median(pair_decode),
         "repeats": repeats,
         "speedup_per_pass": pair_speedups,
+        # the first pass's tau per batch of prompts (per prompt at batch 1) and its verify steps per
+        # row: the tau of any subset of the prompts, row_steps-weighted, without another run
+        "tau_per_batch": [r.tau for r in sp_res],
+        "row_steps_per_batch": [r.row_steps for r in sp_res],
         "lossless": (agree == len(ar_out)) if sampling.greedy else None,
         "greedy_agreement": agree / len(ar_out) if sampling.greedy else None,
         "repeated_4grams": sum(r for r, _ in reps) / max(sum(t for _, t in reps), 1),  # of the AR outputs

@@ -33,6 +33,9 @@ def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir,
     assert record["decode_speedup_vs_ar"] > 0 and record["repeats"] == 2 and len(record["speedup_per_pass"]) == 2
     assert record["speedup_vs_ar"] == pytest.approx(sum(record["speedup_per_pass"]) / 2)  # median of two
     assert 0.0 <= record["repeated_4grams"] <= 1.0
+    taus, steps = record["tau_per_batch"], record["row_steps_per_batch"]  # batch 1: one per prompt
+    assert len(taus) == len(steps) == 2 and min(steps) > 0
+    assert sum(t * n for t, n in zip(taus, steps)) / sum(steps) == pytest.approx(record["tau"])  # passes agree
 
 
 def test_repeated_ngrams_counts_the_continuations_repeats():
