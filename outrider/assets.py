@@ -681,8 +681,8 @@ def _openings(conversations: Iterable[dict[str, Any]] | ShareGPT, held_out: bool
     """The ``prompt_key`` of every opening prompt of the held-out (or the training-split) conversations."""
     if isinstance(conversations, ShareGPT):
         conversations = conversations.conversations
-    return {prompt_key(p) for conv in conversations
-            if heldout(str(conv.get("id", ""))) == held_out and (p := opening_prompt(conv)) is not None}
+    return {prompt_key(p) for conv in conversations if isinstance(conv, dict)  # a malformed record opens nothing
+            and heldout(str(conv.get("id", ""))) == held_out and (p := opening_prompt(conv)) is not None}
 
 
 def held_out_filter(conversations: Iterable[dict[str, Any]] | ShareGPT) -> Callable[[dict[str, Any]], bool]:

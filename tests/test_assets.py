@@ -292,7 +292,7 @@ def test_conversations_opening_with_a_held_out_prompt_are_held_out():
         {"id": kept[3], "conversations": [{"from": "gpt", "value": "a reply first"}]},
         {"id": kept[4], "conversations": []},
     ]
-    held_out = assets.held_out_filter(convs)
+    held_out = assets.held_out_filter(convs + ["not a record", None])  # malformed records open nothing
     assert [held_out(c) for c in convs] == [True, True, True, False, False, False, False]
     assert assets.opening_prompt(convs[2]) == " what is the best tactic? " and assets.opening_prompt(convs[5]) is None
     assert first_user_turns(convs, heldout_only=False)[:1] == ["What is  the best\ntactic?"]
