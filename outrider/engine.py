@@ -347,7 +347,7 @@ class SpecEngine:
     def _device_rounds(self, target: CachedLM) -> bool:
         """Run greedy speculation as device rounds (``outrider.spec_rounds``)? For a proposer that
         drafts with device operations alone, over a static cache, after a pipelined first step."""
-        return self._rounds_apply() and self._ahead(target)
+        return self._rounds_apply() and target.cache.static
 
     def _rounds_apply(self) -> bool:
         """Device rounds, given a static cache: greedy, and a proposer that drafts on the device alone."""
