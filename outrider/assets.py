@@ -25,7 +25,8 @@ Contract:
   ``_N`` part suffix removed, so every part of one original conversation falls on the same side.
   ShareGPT also repeats a conversation's opening prompt under other ids ("hi", a popular
   question): ``held_out_filter`` holds out, besides the held-out ids, every conversation that opens
-  with a held-out conversation's prompt (case and whitespace folded), so that no benchmark
+  with a held-out conversation's prompt (case and whitespace folded, or the same first 64
+  characters of a long prompt cut or extended: ``prompt_marks``), so that no benchmark
   prompt's reply is ever learnt. Training data built from the embedded file uses it.
 
 Not done here: downloading from a model hub, converting quantised weights to anything but
@@ -677,25 +678,38 @@ def prompt_key(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+PREFIX_CHARS = 64  # two prompts whose keys are this long and agree this far are one task, cut or extended
+
+
+def prompt_marks(text: str) -> set[str]:
+    """The marks of one prompt; two prompts are copies when their marks meet: the same
+    ``prompt_key``, or keys of at least ``PREFIX_CHARS`` characters that agree that far (ShareGPT
+    also holds one task's prompt cut short or extended, e.g. a held-out prompt that stops where a
+    training-split conversation's prompt goes on for another line)."""
+    key = prompt_key(text)
+    return {key, "\0" + key[:PREFIX_CHARS]} if len(key) >= PREFIX_CHARS else {key}
+
+
 def _openings(conversations: Iterable[dict[str, Any]] | ShareGPT, held_out: bool) -> set[str]:
-    """The ``prompt_key`` of every opening prompt of the held-out (or the training-split) conversations."""
+    """The ``prompt_marks`` of every opening prompt of the held-out (or the training-split) conversations."""
     if isinstance(conversations, ShareGPT):
         conversations = conversations.conversations
-    return {prompt_key(p) for conv in conversations if isinstance(conv, dict)  # a malformed record opens nothing
-            and heldout(str(conv.get("id", ""))) == held_out and (p := opening_prompt(conv)) is not None}
+    return {m for conv in conversations if isinstance(conv, dict)  # a malformed record opens nothing
+            and heldout(str(conv.get("id", ""))) == held_out and (p := opening_prompt(conv)) is not None
+            for m in prompt_marks(p)}
 
 
 def held_out_filter(conversations: Iterable[dict[str, Any]] | ShareGPT) -> Callable[[dict[str, Any]], bool]:
     """A predicate for building training data from ``conversations``: True for a held-out
     conversation (``heldout`` of its id) and for one that opens with the same prompt as a held-out
-    conversation (``prompt_key``): ShareGPT repeats prompts under other ids (128 of the embedded
+    conversation (``prompt_marks``): ShareGPT repeats prompts under other ids (145 of the embedded
     file's 17,316 training-split conversations open with a held-out prompt, "hi" 65 times), and a
     regenerated reply to a benchmark prompt in the training data would inflate its acceptance."""
     openings = _openings(conversations, held_out=True)
 
     def held(conv: dict[str, Any]) -> bool:
         p = opening_prompt(conv)
-        return heldout(str(conv.get("id", ""))) or (p is not None and prompt_key(p) in openings)
+        return heldout(str(conv.get("id", ""))) or (p is not None and not openings.isdisjoint(prompt_marks(p)))
 
     return held
 
@@ -708,7 +722,7 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
     turn: later parts of a split conversation open with the assistant, and their first user
     turn ("continue") means nothing without what came before. With ``heldout_only`` (the
     default, for benchmarks) only held-out conversations are used, less those whose prompt also
-    opens a training-split conversation (``prompt_key``): training data built before
+    opens a training-split conversation (``prompt_marks``): training data built before
     ``held_out_filter`` existed, or by another tool from the same file, may hold its reply.
     """
     if isinstance(conversations, ShareGPT):
@@ -723,7 +737,7 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
         if heldout_only and not heldout(conv.get("id", "")):
             continue
         value = opening_prompt(conv)
-        if value is not None and prompt_key(value) in trained:
+        if value is not None and not trained.isdisjoint(prompt_marks(value)):
             continue
         if value is not None and value not in seen:
             seen.add(value)

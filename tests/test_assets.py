@@ -300,6 +300,27 @@ def test_conversations_opening_with_a_held_out_prompt_are_held_out():
     assert first_user_turns(convs[:2] + convs[3:]) == ["What is  the best\ntactic?"]
 
 
+def test_a_long_prompt_cut_short_or_extended_is_the_same_prompt():
+    """ShareGPT holds one task's long prompt cut at a line break in one conversation and going on in
+    another: the first 64 characters (case and whitespace folded) decide; short prompts must match whole."""
+    held = [f"h{i}" for i in range(5000) if heldout(f"h{i}")][:2]
+    kept = [f"k{i}" for i in range(5000) if not heldout(f"k{i}")][:4]
+    task = "Create a new Python file in this folder called task.py.\n* Write a program with two errors"
+    assert len(assets.prompt_key(task)) >= assets.PREFIX_CHARS
+    convs = [
+        {"id": held[0], "conversations": [{"from": "human", "value": task}]},
+        {"id": held[1], "conversations": [{"from": "human", "value": "write a python script"}]},
+        {"id": kept[0], "conversations": [{"from": "human", "value": task.upper() + "\nNext to each error, add a comment"}]},
+        {"id": kept[1], "conversations": [{"from": "human", "value": task[:assets.PREFIX_CHARS + 2]}]},
+        {"id": kept[2], "conversations": [{"from": "human", "value": task[:assets.PREFIX_CHARS - 8]}]},  # too short to judge
+        {"id": kept[3], "conversations": [{"from": "human", "value": "write a python script to send an email"}]},
+    ]
+    held_out = assets.held_out_filter(convs)
+    assert [held_out(c) for c in convs] == [True, True, True, True, False, False]
+    assert first_user_turns(convs) == ["write a python script"]  # the cut task opens training conversations
+    assert first_user_turns(convs[:2] + convs[4:]) == [task, "write a python script"]
+
+
 # ----------------------------------------------------------------------------- pull on tiny inputs
 
 
