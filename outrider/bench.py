@@ -30,6 +30,7 @@ import torch
 from outrider.engine import GenerationResult, SpecEngine, check_pair, eos_token_ids
 from outrider.errors import UserError, require
 from outrider.fsutil import atomic_write_json
+from outrider.progress import Bar
 from outrider.proposers.base import Proposer
 from outrider.sampling import SamplingParams
 
@@ -62,7 +63,12 @@ def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
 
 def load_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
                  max_prompt_tokens: int = 512) -> list[list[int]]:
-    """Token ids of ``num_prompts`` prompts: held-out ShareGPT, a .txt (one per line) or .json list."""
+    """Token ids of ``num_prompts`` prompts (``prompt_texts``) in the chat template."""
+    return [render_prompt(tokenizer, t, max_prompt_tokens) for t in prompt_texts(source, num_prompts)]
+
+
+def prompt_texts(source: str = "sharegpt", num_prompts: int = 10) -> list[str]:
+    """The first ``num_prompts`` prompts of held-out ShareGPT, a .txt (one per line) or a .json list."""
     require(num_prompts >= 1, f"--num-prompts must be >= 1, got {num_prompts}")
     if source == "sharegpt":
         from outrider import assets
@@ -81,7 +87,7 @@ def load_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
             texts = [line for line in raw.splitlines() if line.strip()]
         texts = texts[:num_prompts]
     require(len(texts) > 0, f"no prompts in {source}")
-    return [render_prompt(tokenizer, t, max_prompt_tokens) for t in texts]
+    return texts
 
 
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
@@ -108,16 +114,20 @@ def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: 
     return Eagle3Proposer.load(draft, target, device=device)
 
 
-def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int
+def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None
          ) -> tuple[list[list[int]], float, list[GenerationResult]]:
-    outs, results = [], []
-    t0 = time.perf_counter()
+    """Generate batch by batch; the seconds count generation only (the bar draws between batches)."""
+    outs, results, seconds = [], [], 0.0
     for i in range(0, len(prompts), batch_size):
+        t0 = time.perf_counter()
         r = engine.generate(prompts[i:i + batch_size], max_new)
+        engine._sync()  # the batch's tokens are on the host already: this waits for nothing more
+        seconds += time.perf_counter() - t0
         outs.extend(r.tokens)
         results.append(r)
-    engine._sync()
-    return outs, time.perf_counter() - t0, results
+        if bar is not None:
+            bar.advance()
+    return outs, seconds, results
 
 
 def _hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
@@ -192,7 +202,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           hf_baseline: bool = False, json_path: str | None = None, console=None,
           loaded: tuple | None = None, graphs: bool | None = None, compile: bool = False,
           engines: tuple[SpecEngine, SpecEngine] | None = None, repeats: int = 1,
-          log: Callable[[str], None] | None = None) -> dict[str, Any]:
+          log: Callable[[str], None] | None = None, progress: bool = False) -> dict[str, Any]:
     """Measure ``method`` against autoregressive decoding on the same prompts; return one record.
 
     ``engines`` = (autoregressive, speculative) engines built earlier on ``loaded``'s model (a
@@ -200,7 +210,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     the speculative one). ``repeats`` > 1 measures that many (autoregressive, method) pairs of
     passes back to back; tokens/s and speedups are then medians over the pairs, step costs and
     acceptance are pooled, and ``lossless`` must hold in every pass. ``log`` receives a line as
-    each phase ends (warm-ups, which compile and capture, and passes), with its seconds.
+    each phase ends (warm-ups, which compile and capture, and passes), with its seconds;
+    ``progress`` shows a bar on stderr over the timed batches of all passes.
     """
     from outrider.models import load_model
 
@@ -244,25 +255,28 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         else:
             engine.generate(prompt_ids[:1], min(8, max_new_tokens))
         done(f"warm-up of the {'autoregressive' if engine.proposer is None else method} engine")
-    if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-        _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
-        done("warm-up of transformers' generate")
-        ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
-        for i in range(0, len(prompt_ids), batch_size):
-            out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens)
-            ar_out, ar_s, ar_res = ar_out + out, ar_s + s, ar_res + res
-            out, s = _hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
-            hf_out, hf_s = hf_out + out, hf_s + s
-    else:
-        ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens)
-    sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens)
-    passes = [((ar_out, ar_s, ar_res), (sp_out, sp_s, sp_res))]
-    done(f"pass 1 of {repeats}")
-    for i in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
-        passes.append((_run(ar, prompt_ids, batch_size, max_new_tokens),
-                       _run(spec, prompt_ids, batch_size, max_new_tokens)))
-        done(f"pass {i + 2} of {repeats}")
+    batches = -(-len(prompt_ids) // batch_size)
+    with Bar(progress, f"bench {method} vs ar", batches * (2 * repeats + hf_baseline), manual=True) as bar:
+        if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+            _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+            done("warm-up of transformers' generate")
+            ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
+            for i in range(0, len(prompt_ids), batch_size):
+                out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, bar)
+                ar_out, ar_s, ar_res = ar_out + out, ar_s + s, ar_res + res
+                out, s = _hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
+                hf_out, hf_s = hf_out + out, hf_s + s
+                bar.advance()
+        else:
+            ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens, bar)
+        sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens, bar)
+        passes = [((ar_out, ar_s, ar_res), (sp_out, sp_s, sp_res))]
+        done(f"pass 1 of {repeats}")
+        for i in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
+            passes.append((_run(ar, prompt_ids, batch_size, max_new_tokens, bar),
+                           _run(spec, prompt_ids, batch_size, max_new_tokens, bar)))
+            done(f"pass {i + 2} of {repeats}")
     sp_tokens = sum(len(t) for t in sp_out)
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])

@@ -75,7 +75,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(),
-          graphs=a.graphs, compile=a.compile, repeats=a.repeats)
+          graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet)
     return 0
 
 
@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--repeats", type=int, default=1,
                     help="measure this many (AR, method) pairs of passes; speeds are medians over the pairs")
     sp.add_argument("--json", default=None, metavar="F", help="write the record(s) to this JSON file")
+    sp.add_argument("--quiet", action="store_true", help="no progress bar")
     runtime(sp)
     sp.set_defaults(fn=cmd_bench)
 

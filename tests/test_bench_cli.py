@@ -17,7 +17,7 @@ def prompts(tmp_path):
     return path
 
 
-def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir, prompts, tmp_path):
+def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir, prompts, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = cli_main(["bench", str(tiny_dir("llama")), "--method", "ngram", "--k", "3", "--prompts", str(prompts),
                    "--num-prompts", "2", "--max-new-tokens", "12", "--hf-baseline", "--repeats", "2",
@@ -36,6 +36,12 @@ def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir,
     taus, steps = record["tau_per_batch"], record["row_steps_per_batch"]  # batch 1: one per prompt
     assert len(taus) == len(steps) == 2 and min(steps) > 0
     assert sum(t * n for t, n in zip(taus, steps)) / sum(steps) == pytest.approx(record["tau"])  # passes agree
+    # the bar counts every timed batch: 2 prompts x (2 x 2 passes + transformers' pass)
+    bar = [line for line in capsys.readouterr().err.splitlines() if "bench ngram vs ar" in line]
+    assert bar and "10/10" in bar[-1]
+    rc = cli_main(["bench", str(tiny_dir("llama")), "--method", "ngram", "--prompts", str(prompts),
+                   "--num-prompts", "1", "--max-new-tokens", "4", "--quiet"])
+    assert rc in (0, None) and "bench ngram vs ar" not in capsys.readouterr().err
 
 
 def test_repeated_ngrams_counts_the_continuations_repeats():

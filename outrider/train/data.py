@@ -67,6 +67,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
+from outrider.progress import Bar
 from outrider.sampling import derived_seed
 
 FORMAT = "outrider-tokens"
@@ -540,32 +541,6 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
     return generate
 
 
-class _Bar:
-    """A rich progress bar on stderr, or nothing."""
-
-    def __init__(self, enabled: bool, description: str, total: int):
-        self._progress = None
-        if enabled and total > 0:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeRemainingColumn(), console=Console(stderr=True))
-            self._progress.start()
-            self._task = self._progress.add_task(description, total=total)
-
-    def advance(self, n: int = 1) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task, n)
-
-    def __enter__(self) -> "_Bar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-
 @dataclass
 class _RegenResult:
     responses: list[str]
@@ -573,7 +548,7 @@ class _RegenResult:
 
 
 def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: GenerateFn, max_new_tokens: int,
-                 max_length: int, end: set[int], cache: _Cache, bar: _Bar, wave: int = 64) -> dict[str, _RegenResult]:
+                 max_length: int, end: set[int], cache: _Cache, bar: Bar, wave: int = 64) -> dict[str, _RegenResult]:
     """Turn by turn, batched across conversations: round r generates every conversation's r-th reply."""
     results: dict[str, _RegenResult] = {}
 
@@ -620,7 +595,7 @@ def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: G
 
 
 def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_new_tokens: int, max_length: int,
-                  concurrency: int, cache: _Cache, bar: _Bar, temperature: float = 0.0,
+                  concurrency: int, cache: _Cache, bar: Bar, temperature: float = 0.0,
                   seed: int = 0) -> dict[str, _RegenResult]:
     """One thread per conversation in flight; each conversation goes turn by turn."""
     from outrider.train.openai_client import ServerRejected
@@ -1140,7 +1115,7 @@ def _regenerate(conversations: list[Conversation], tokenizer, target: str, model
             todo.append((conv, key))
     from_cache = len(results)
     try:
-        with _Bar(progress, "regenerating", len(todo)) as bar:
+        with Bar(progress, "regenerating", len(todo)) as bar:
             if todo and client is not None:
                 results.update(_regen_server(todo, tokenizer, client, max_new_tokens, max_length, concurrency,
                                              cache, bar, temperature, seed))
@@ -1208,7 +1183,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
     rows: list[tuple[str, list[int], list[int]]] = []
     truncated = last_turn_only = 0
     seen: set[bytes] = set()
-    with _Bar(progress, "tokenising", len(conversations)) as bar:
+    with Bar(progress, "tokenising", len(conversations)) as bar:
         for conv in conversations:
             try:
                 tok = tokenize_conversation(tokenizer, conv.messages, max_length, end)
