@@ -9,7 +9,7 @@ each prompt of SRC (as ``outrider bench`` takes them). Per prompt, examples coun
 - ``turn``: the whole prompt as a whole turn (a special token follows it): the target's reply to
   that very prompt may be in the data, a leak;
 - ``prefix``: for a prompt of at least ``assets.PREFIX_CHARS`` folded characters, those first
-  characters (the same task cut short or extended, ``assets.prompt_marks``), a leak;
+  characters (``assets.prompt_prefix``: the same task cut short or extended), a leak;
 - ``inside``: the prompt inside a longer text ("write a python script" inside "write a python
   script to send an email"), shown and not counted as a leak.
 
@@ -47,7 +47,7 @@ def _texts(directory: Path, tokenizer):
 def leak_counts(prompts: list[str], texts, specials: list[str]) -> tuple[list[dict[str, int]], int]:
     """Per prompt the counts of examples with it as a whole turn, by its prefix, inside a longer text."""
     keys = [assets.prompt_key(p) for p in prompts]
-    prefixes = [k[:assets.PREFIX_CHARS] if len(k) >= assets.PREFIX_CHARS else None for k in keys]
+    prefixes = [assets.prompt_prefix(k) for k in keys]
     folded_specials = [s.casefold() for s in specials]
     counts = [{"turn": 0, "prefix": 0, "inside": 0} for _ in prompts]
     n = 0

@@ -681,13 +681,20 @@ def prompt_key(text: str) -> str:
 PREFIX_CHARS = 64  # two prompts whose keys are this long and agree this far are one task, cut or extended
 
 
+def prompt_prefix(key: str) -> str | None:
+    """The first ``PREFIX_CHARS`` characters of a ``prompt_key`` at least that long, else None
+    (a short prompt is judged whole)."""
+    return key[:PREFIX_CHARS] if len(key) >= PREFIX_CHARS else None
+
+
 def prompt_marks(text: str) -> set[str]:
     """The marks of one prompt; two prompts are copies when their marks meet: the same
-    ``prompt_key``, or keys of at least ``PREFIX_CHARS`` characters that agree that far (ShareGPT
-    also holds one task's prompt cut short or extended, e.g. a held-out prompt that stops where a
-    training-split conversation's prompt goes on for another line)."""
+    ``prompt_key``, or the same ``prompt_prefix`` (ShareGPT also holds one task's prompt cut short
+    or extended, e.g. a held-out prompt that stops where a training-split conversation's prompt
+    goes on for another line)."""
     key = prompt_key(text)
-    return {key, "\0" + key[:PREFIX_CHARS]} if len(key) >= PREFIX_CHARS else {key}
+    prefix = prompt_prefix(key)
+    return {key} if prefix is None else {key, "\0" + prefix}
 
 
 def _openings(conversations: Iterable[dict[str, Any]] | ShareGPT, held_out: bool) -> set[str]:
