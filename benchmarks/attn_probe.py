@@ -19,16 +19,15 @@ import time
 from pathlib import Path
 
 import torch
+from step_probe import REPLAYS, _timed, default_shape_model, random_head
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from outrider import kv_cache
-from outrider.engine import SpecEngine
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.slot_attention import using_slot_attention
 from outrider.fsutil import atomic_write_json
-from outrider.proposers.eagle3 import Eagle3Proposer
-from outrider.slot_attention import using_slot_attention
-
-from step_probe import REPLAYS, _timed, default_shape_model, random_head
 
 KERNELS = {"sdpa": None, "sdpa-math": SDPBackend.MATH, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
            "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "slots": "slots"}

@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from outrider.kv_cache import CachedLM
+from outrider.decode.runner import CachedLM
 from outrider.models import load_model
 
 CONTEXT, STEPS = 300, 40

@@ -46,7 +46,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from outrider import assets
+from outrider import assets, sharegpt
 from outrider.demo import _first_exchanges
 from outrider.fsutil import atomic_write_json
 
@@ -55,12 +55,12 @@ WHEELS = ("gguf", "pytest", "pluggy", "iniconfig")
 PART = 57_500_000  # bytes of the GGUF in the first call: the rest, with the data, fits the second
 
 
-def later_exchanges(sharegpt, limit: int) -> list[dict]:
+def later_exchanges(corpus, limit: int) -> list[dict]:
     """Training-split exchanges after the first: turns 1-4 of conversations that have them, then the
     first exchange of conversation parts that open with a reply (their earlier turns are elsewhere)."""
-    held = assets.held_out_filter(sharegpt.conversations)
+    held = sharegpt.held_out_filter(corpus.conversations)
     out = []
-    for conv in sharegpt.conversations:
+    for conv in corpus.conversations:
         turns = conv.get("conversations") or []
         who = [t.get("from") for t in turns]
         if held(conv):
@@ -74,14 +74,14 @@ def later_exchanges(sharegpt, limit: int) -> list[dict]:
     return out[:limit]
 
 
-def deeper_exchanges(sharegpt, exchanges=(3, 4, 5)) -> list[dict]:
+def deeper_exchanges(corpus, exchanges=(3, 4, 5)) -> list[dict]:
     """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
     turns of every conversation whose first 2n turns alternate human, gpt (``deeper.sh`` regenerates
     every reply in order, each the context of the next)."""
-    held = assets.held_out_filter(sharegpt.conversations)
+    held = sharegpt.held_out_filter(corpus.conversations)
     out = []
     for n in exchanges:
-        for conv in sharegpt.conversations:
+        for conv in corpus.conversations:
             turns = conv.get("conversations") or []
             if held(conv) or len(turns) < 2 * n:
                 continue
@@ -114,15 +114,15 @@ def main() -> None:
     data = gguf.read_bytes()
     (b1 / "gguf.part00").write_bytes(data[:PART])
     (b2 / "gguf.part01").write_bytes(data[PART:])
-    sharegpt = assets.load_sharegpt()
-    prompts = assets.first_user_turns(sharegpt, heldout_only=True, limit=a.prompts)
+    corpus = sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True))
+    prompts = sharegpt.first_user_turns(corpus, heldout_only=True, limit=a.prompts)
     atomic_write_json(b1 / "prompts-heldout.json", prompts)
-    first = _first_exchanges(sharegpt, a.first, dev / "first-exchanges.json")
+    first = _first_exchanges(corpus, a.first, dev / "first-exchanges.json")
     _gz(b3 / "first-exchanges.json.gz", json.loads(first.read_text()))
     first.unlink()
-    later = later_exchanges(sharegpt, a.later)
+    later = later_exchanges(corpus, a.later)
     _gz(b3 / "later-exchanges.json.gz", later)
-    deeper = deeper_exchanges(sharegpt)
+    deeper = deeper_exchanges(corpus)
     _gz(b4 / "deeper-exchanges.json.gz", deeper[:a.deeper])
     _gz(b5 / "deeper-exchanges.json.gz", deeper[a.deeper:])
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl), *WHEELS], check=True)

@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from outrider.engine import SpecEngine
-from outrider.fsutil import atomic_write_json
-from outrider.proposers.eagle3 import Eagle3Proposer
-
 from step_probe import _timed, probe_models
+
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.fsutil import atomic_write_json
 
 REPLAYS = 200
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from outrider.bench import bench, load_prompts
-from outrider.engine import SpecEngine, eos_token_ids
+from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
 

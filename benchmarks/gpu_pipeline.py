@@ -12,12 +12,12 @@ import time
 
 import torch
 
+from outrider.decode.engine import eos_token_ids
 from outrider.demo import engine_generate_fn
-from outrider.engine import eos_token_ids
-from outrider.export import export
 from outrider.fsutil import atomic_write_json
+from outrider.heads.formats import export
 from outrider.models import load_model
-from outrider.train.data import build_dataset
+from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
 
 

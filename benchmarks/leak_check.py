@@ -3,13 +3,13 @@
     python benchmarks/leak_check.py --data DIR --prompts SRC [--target default] [--out F]
 
 Every example of the dataset (each ``*.parquet`` shard of DIR, train and eval splits) is decoded
-with the target's tokenizer, case and whitespace folded (``assets.prompt_key``), and searched for
+with the target's tokenizer, case and whitespace folded (``sharegpt.prompt_key``), and searched for
 each prompt of SRC (as ``outrider bench`` takes them). Per prompt, examples counted:
 
 - ``turn``: the whole prompt as a whole turn (a special token follows it): the target's reply to
   that very prompt may be in the data, a leak;
-- ``prefix``: for a prompt of at least ``assets.PREFIX_CHARS`` folded characters, those first
-  characters (``assets.prompt_prefix``: the same task cut short or extended), a leak;
+- ``prefix``: for a prompt of at least ``sharegpt.PREFIX_CHARS`` folded characters, those first
+  characters (``sharegpt.prompt_prefix``: the same task cut short or extended), a leak;
 - ``inside``: the prompt inside a longer text ("write a python script" inside "write a python
   script to send an email"), shown and not counted as a leak.
 
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from outrider import assets
+from outrider import sharegpt
 from outrider.bench import prompt_texts
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
@@ -41,13 +41,13 @@ def _texts(directory: Path, tokenizer):
     for shard in shards:
         ids = pq.read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()
         for text in tokenizer.batch_decode(ids):
-            yield assets.prompt_key(text)
+            yield sharegpt.prompt_key(text)
 
 
 def leak_counts(prompts: list[str], texts, specials: list[str]) -> tuple[list[dict[str, int]], int]:
     """Per prompt the counts of examples with it as a whole turn, by its prefix, inside a longer text."""
-    keys = [assets.prompt_key(p) for p in prompts]
-    prefixes = [assets.prompt_prefix(k) for k in keys]
+    keys = [sharegpt.prompt_key(p) for p in prompts]
+    prefixes = [sharegpt.prompt_prefix(k) for k in keys]
     folded_specials = [s.casefold() for s in specials]
     counts = [{"turn": 0, "prefix": 0, "inside": 0} for _ in prompts]
     n = 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from outrider.fsutil import atomic_write_json
-from outrider.plan import plan
+from outrider.plan.planner import plan
 
 
 def check(records: list[dict], hardware: str) -> list[dict]:

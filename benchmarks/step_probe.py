@@ -34,10 +34,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from outrider import kv_cache
-from outrider.engine import SpecEngine
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.eagle3 import Eagle3Proposer, _right_align
 from outrider.fsutil import atomic_write_json
-from outrider.head import Eagle3Config, Eagle3Head
-from outrider.proposers.eagle3 import Eagle3Proposer, _right_align
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 
 REPLAYS = 200
 
@@ -64,7 +64,7 @@ def probe_models(head_path: str | None) -> tuple[torch.nn.Module, Eagle3Head]:
     if head_path is None:
         model = default_shape_model()
         return model, random_head(model)
-    from outrider.export import load_head
+    from outrider.heads.checkpoint import load_head
     from outrider.models import load_model
 
     model, _ = load_model("default", device="cuda", dtype="bfloat16", with_tokenizer=False)

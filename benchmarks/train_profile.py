@@ -56,9 +56,8 @@ import torch
 from outrider.config import TrainConfig
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
-from outrider.train.data import build_dataset
+from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
-
 
 _CHANGES = {
     "full": {},
@@ -96,7 +95,7 @@ def variant_config(name: str, steps: int) -> TrainConfig:
 
 def variant_data(name: str, data: str, work: Path) -> str:
     """The data variant ``name`` trains on: ``data``, or its subset of long examples (``minlenN``)."""
-    from outrider.train.data import subset_dataset
+    from outrider.train.datasets import subset_dataset
 
     lengths = [int(part[6:]) for part in name.split("+") if part[:6] == "minlen" and part[6:].isdigit()]
     if not lengths:

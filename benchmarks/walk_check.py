@@ -32,13 +32,13 @@ import sys
 import torch
 
 from outrider.bench import load_prompts, repeated_ngrams
-from outrider.engine import SpecEngine, eos_token_ids
+from outrider.decode.engine import SpecEngine, eos_token_ids
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
-from outrider.proposers.eagle3 import Eagle3Proposer
 from outrider.train.capture import capture
-from outrider.train.data import load_dataset
+from outrider.train.datasets import load_dataset
 from outrider.train.ttt import simulated_accept_len, ttt_loss, walked_accept_len
 
 

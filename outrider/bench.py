@@ -27,12 +27,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from outrider.engine import GenerationResult, SpecEngine, check_pair, eos_token_ids
+from outrider.decode.engine import (
+    GenerationResult,
+    SpecEngine,
+    check_pair,
+    eos_token_ids,
+)
+from outrider.decode.proposers.base import Proposer
+from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
 from outrider.fsutil import atomic_write_json
 from outrider.progress import Bar
-from outrider.proposers.base import Proposer
-from outrider.sampling import SamplingParams
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
 
@@ -71,9 +76,9 @@ def prompt_texts(source: str = "sharegpt", num_prompts: int = 10) -> list[str]:
     """The first ``num_prompts`` prompts of held-out ShareGPT, a .txt (one per line) or a .json list."""
     require(num_prompts >= 1, f"--num-prompts must be >= 1, got {num_prompts}")
     if source == "sharegpt":
-        from outrider import assets
+        from outrider import assets, sharegpt
 
-        texts = assets.first_user_turns(assets.load_sharegpt(), heldout_only=True, limit=num_prompts)
+        texts = sharegpt.first_user_turns(sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True)), heldout_only=True, limit=num_prompts)
     else:
         path = Path(source)
         require(path.exists(), f"prompt file not found: {path}")
@@ -98,18 +103,18 @@ def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: 
     if method == "ar":
         return None
     if method == "ngram":
-        from outrider.proposers.ngram import NgramProposer
+        from outrider.decode.proposers.ngram import NgramProposer
 
         return NgramProposer(ngram_min, ngram_max)
     require(draft is not None, f"--method {method} needs --draft")
     if method == "draft":
+        from outrider.decode.proposers.draft_model import DraftModelProposer
         from outrider.models import load_model
-        from outrider.proposers.draft_model import DraftModelProposer
 
         dmodel, dtok = load_model(draft, device=device, dtype=dtype)
         check_pair(target, dmodel, tokenizer, dtok)
         return DraftModelProposer(dmodel)
-    from outrider.proposers.eagle3 import Eagle3Proposer
+    from outrider.decode.proposers.eagle3 import Eagle3Proposer
 
     return Eagle3Proposer.load(draft, target, device=device)
 

@@ -37,7 +37,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from outrider import compat
+    from outrider.heads import inspect as compat
 
     report = compat.inspect(a.target, a.draft)
     if a.json:
@@ -49,9 +49,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from outrider.bench import build_proposer, render_prompt
-    from outrider.engine import SpecEngine, eos_token_ids
+    from outrider.decode.engine import SpecEngine, eos_token_ids
+    from outrider.decode.sampling import SamplingParams
     from outrider.models import load_model
-    from outrider.sampling import SamplingParams
 
     if not a.prompt.strip():
         raise UserError("empty prompt: give some text with --prompt")
@@ -80,7 +80,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_data(a: argparse.Namespace) -> int:
-    from outrider.train.data import build_dataset
+    from outrider.train.prepare import build_dataset
 
     report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
                            max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
@@ -98,7 +98,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from outrider.export import export
+    from outrider.heads.formats import export
 
     report = export(a.draft, a.format, a.out, target=a.target, dtype=a.dtype,
                     num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
@@ -107,7 +107,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from outrider.plan import plan
+    from outrider.plan.planner import plan
 
     plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
          ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,

@@ -27,7 +27,8 @@ Not done here: reading command-line flags (``outrider.cli``), choosing a preset 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace as _dc_replace
+from dataclasses import asdict, dataclass, fields
+from dataclasses import replace as _dc_replace
 from pathlib import Path
 from typing import Any
 

@@ -16,7 +16,9 @@ Not done here: quantised (INT4/FP8) loading, tensor parallelism, downloading fro
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -319,3 +321,99 @@ class AuxCapture:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Names and tokenizer fingerprints
+# --------------------------------------------------------------------------------------------
+
+def target_name(path: Path, cfg: dict[str, Any]) -> str:
+    """A model's name: its config's hub id when it records one, else the folder (or file) name."""
+    name = str(cfg.get("_name_or_path") or cfg.get("name_or_path") or "")
+    if name and not Path(name).is_absolute() and not Path(name).exists() and "/" in name:
+        return name
+    return path.stem if path.is_file() else path.name
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return data
+
+
+def tokenizer_fingerprint(folder: str | Path) -> dict[str, Any]:
+    """Hashes that identify a tokenizer: ``vocab_sha256`` (id<->token table, and BPE merges),
+    ``specials_sha256`` (special tokens), ``chat_template_sha256``; plus ``kind``, ``vocab_size``
+    and, when the vocabulary cannot be read, a ``note`` saying why. Reads files only."""
+    folder = Path(folder)
+    out: dict[str, Any] = {"kind": None}
+    tc = read_json_object(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+    specials: dict[str, Any] = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                                if _token_text(tc.get(k))}
+    added = {str(i): _token_text(v) for i, v in (tc.get("added_tokens_decoder") or {}).items()
+             if isinstance(v, dict) and v.get("special")}
+    if (folder / "tokenizer.json").exists():
+        tok = read_json_object(folder / "tokenizer.json")
+        model = tok.get("model") or {}
+        vocab = model.get("vocab")
+        if isinstance(vocab, dict):
+            table = sorted((int(i), t) for t, i in vocab.items())
+        elif isinstance(vocab, list):  # Unigram: [[token, score], ...], id = position
+            table = [(i, entry[0] if isinstance(entry, list) else entry) for i, entry in enumerate(vocab)]
+        else:
+            table = []
+        extra = [(int(t["id"]), t["content"]) for t in tok.get("added_tokens") or [] if "id" in t]
+        added.update({str(t["id"]): t["content"] for t in tok.get("added_tokens") or [] if t.get("special")})
+        table = sorted(set(table) | set(extra))
+        out.update(kind="tokenizer.json", vocab_size=len({i for i, _ in table}),
+                   vocab_sha256=_sha([table, model.get("merges") or []]))
+    elif (folder / "tiktoken.model").exists():
+        out["kind"] = "tiktoken"
+        try:
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            out["note"] = "tiktoken is not installed (pip install tiktoken): the tiktoken vocabulary was not read"
+        else:
+            try:
+                ranks = load_tiktoken_bpe(str(folder / "tiktoken.model"))
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {folder / 'tiktoken.model'}: {e}") from None
+            table = sorted((rank, base64.b64encode(token).decode()) for token, rank in ranks.items())
+            extra = sorted((int(i), t) for i, t in added.items())
+            out.update(vocab_size=len(table) + len(extra), vocab_sha256=_sha([table, extra]))
+    else:
+        files = [n for n in ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt") if (folder / n).exists()]
+        if files:
+            digest = hashlib.sha256()
+            for n in files:
+                digest.update((folder / n).read_bytes())
+            out.update(kind="+".join(files), vocab_sha256=digest.hexdigest())
+        else:
+            out["note"] = "no tokenizer files"
+    if added:
+        specials["added"] = dict(sorted(added.items(), key=lambda kv: int(kv[0])))
+    if specials:
+        out["special_tokens"] = specials
+        out["specials_sha256"] = _sha(specials)
+    template = tc.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    if template is None and (folder / "chat_template.json").exists():
+        template = read_json_object(folder / "chat_template.json").get("chat_template")
+    if template is not None:
+        out["chat_template_sha256"] = _sha(template)
+    return out

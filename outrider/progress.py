@@ -17,7 +17,13 @@ class Bar:
         self._manual = manual
         if enabled and total > 0:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), console=Console(stderr=True), auto_refresh=not manual)

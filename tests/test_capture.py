@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import make_tiny
 
 from outrider.train.capture import TargetCapture, capture
-from tiny import make_tiny
 
 AUX = (0, 2, 4)  # 0 = the embeddings, 4 = the input of the last of 5 layers
 DRAFT_IDS = torch.tensor([3, 5, 8, 17, 40, 41, 77, 90, 95])

@@ -7,30 +7,33 @@ from dataclasses import replace
 
 import pytest
 
-from outrider.cost_model import (
+from outrider.errors import UserError
+from outrider.models import arch_info
+from outrider.plan.acceptance import (
     Acceptance,
+    alpha_from_tau,
+    expected_tokens_alpha,
+    expected_tokens_chain,
+)
+from outrider.plan.calibrate import calibrate, calibrate_measured
+from outrider.plan.cost_model import (
+    WEIGHT_FORMATS,
     DraftSpec,
     ModelShape,
-    WEIGHT_FORMATS,
     allreduce_s,
-    alpha_from_tau,
-    builtin_profiles,
-    calibrate,
-    calibrate_measured,
     draft_round_cost,
     eagle3_head_shape,
     expected_distinct_experts,
-    expected_tokens_alpha,
-    expected_tokens_chain,
-    load_profile,
-    parse_precision,
     predict,
-    profile_from_dict,
     step_cost,
 )
-from outrider.errors import UserError
-from outrider.models import arch_info
-from outrider.plan import KIMI_K25, SMOLLM2_135M
+from outrider.plan.hardware import (
+    builtin_profiles,
+    load_profile,
+    parse_precision,
+    profile_from_dict,
+)
+from outrider.plan.planner import KIMI_K25, SMOLLM2_135M
 from tests.tiny import tiny_config
 
 

@@ -10,11 +10,19 @@ import pytest
 import torch
 from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenizer
 
-from outrider import assets
+from outrider import assets, sharegpt
 from outrider.errors import UserError
-from outrider.train.data import (Dropped, TokenDataset, build_dataset, cache_path_for, end_token_ids, hf_generate_fn,
-                                 load_dataset, merge_datasets, normalise_record, read_manifest, subset_dataset,
-                                 tokenize_conversation)
+from outrider.train.conversations import Dropped, normalise_record
+from outrider.train.datasets import (
+    TokenDataset,
+    load_dataset,
+    merge_datasets,
+    read_manifest,
+    subset_dataset,
+)
+from outrider.train.prepare import build_dataset
+from outrider.train.regenerate import cache_path_for, hf_generate_fn
+from outrider.train.template import end_token_ids, tokenize_conversation
 
 SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
 
@@ -394,12 +402,12 @@ def test_length_grouped_batches_cover_the_epoch_with_less_padding(tmp_path, targ
 def test_heldout_conversations_never_reach_training_data(tmp_path, monkeypatch, target):
     monkeypatch.setenv("OUTRIDER_HOME", str(tmp_path / "home"))
     convs = many_conversations(300)
-    held = {c for c, _ in convs if assets.heldout(c)}
+    held = {c for c, _ in convs if sharegpt.heldout(c)}
     assert 0 < len(held) < 30
     # a held-out conversation's prompt again under a training-split id, spaced and cased otherwise
     c0, turns0 = next((c, t) for c, t in convs if c in held)
     prompt = next(text for role, text in turns0 if role == "user")
-    copy = next(f"x{i}" for i in range(1000) if not assets.heldout(f"x{i}"))
+    copy = next(f"x{i}" for i in range(1000) if not sharegpt.heldout(f"x{i}"))
     convs.append((copy, [("user", "  " + prompt.upper().replace(" ", "\n")), ("assistant", "w7 w8")]))
     held.add(copy)
     path = assets.sharegpt_path()
@@ -594,7 +602,7 @@ def test_sharegpt_with_the_real_smollm2_tokenizer(tmp_path):
                            eval_fraction=0.1, progress=False)
     assert report.kept >= 15 and report.heldout_excluded >= 0
     tok = load_tokenizer("default")
-    records = {r["id"]: r for r in assets.load_sharegpt().conversations[:400]}
+    records = {r["id"]: r for r in sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True)).conversations[:400]}
     checked = 0
     for split in ("train", "eval"):
         ds = load_dataset(tmp_path / "out", split)

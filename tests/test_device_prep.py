@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-from outrider.assets import heldout
+from outrider.sharegpt import heldout
 
 _SPEC = importlib.util.spec_from_file_location(
     "device_prep", Path(__file__).resolve().parents[1] / "benchmarks" / "device_prep.py")

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import _conversations
+from tiny import save_tiny
 
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.train import dist
-from outrider.train.data import build_dataset
+from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
-from test_trainer import _conversations
-from tiny import save_tiny
 
 
 def test_single_process_env_without_torchrun(monkeypatch):

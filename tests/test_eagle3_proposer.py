@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.engine import SpecEngine
-from outrider.head import Eagle3Config, Eagle3Head
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.eagle3 import (
+    SLOT_ALIGN,
+    Eagle3Proposer,
+    HeadCache,
+    _pad_left,
+)
+from outrider.decode.sampling import SamplingParams
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
-from outrider.proposers.eagle3 import SLOT_ALIGN, Eagle3Proposer, HeadCache, _pad_left
-from outrider.sampling import SamplingParams
 from outrider.train.ttt import ttt_loss
 
 MAX_NEW = 20
@@ -144,7 +149,7 @@ def test_compiled_draft_step_compiles_once_per_role(tiny_models):
     compilation (its hidden-state hooks are on only while its own steps run)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from outrider import kv_cache
+    from outrider.decode import runner
 
     def compiled_variants(fn) -> int:
         return len(_debug_get_cache_entry_list(fn.__code__))
@@ -158,9 +163,9 @@ def test_compiled_draft_step_compiles_once_per_role(tiny_models):
             assert engine.generate([p], 12).tokens
     assert compiled_variants(Eagle3Proposer._step_body) <= 2  # k+1 wide: one k, then any (prompts run eager)
     assert compiled_variants(Eagle3Proposer._link_greedy) == 1
-    targets = compiled_variants(kv_cache._plain_step)
+    targets = compiled_variants(runner._plain_step)
     SpecEngine(model, Eagle3Proposer(_head(model), model), k=3, compile="aot_eager").generate(_prompts()[:1], 12)
-    assert compiled_variants(kv_cache._plain_step) == targets
+    assert compiled_variants(runner._plain_step) == targets
 
 
 def test_head_cache_slots_are_aligned_and_the_extra_ones_never_seen():

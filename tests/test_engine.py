@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.engine import SpecEngine
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.draft_model import DraftModelProposer
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.ngram import NgramProposer
+from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError
-from outrider.proposers.draft_model import DraftModelProposer
-from outrider.proposers.eagle3 import Eagle3Proposer
-from outrider.proposers.ngram import NgramProposer
-from outrider.sampling import SamplingParams
 
 MAX_NEW = 24
 
@@ -70,7 +70,8 @@ def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, re
     proposer = {"ar": None, "ngram": NgramProposer(1, 3),
                 "eagle3": Eagle3Proposer(_head(model), model) if method == "eagle3" else None}[method]
     options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
-    from outrider.kv_cache import CachedLM, graphable
+    from outrider.decode.graphs import graphable
+    from outrider.decode.runner import CachedLM
 
     widths, forward = [], CachedLM.forward
 
@@ -93,7 +94,7 @@ def test_compiled_step_is_shared_between_caches(tiny_models):
     """A second cache of the same model and size reuses the compiled step: no new graph."""
     from torch._dynamo.utils import counters
 
-    from outrider.kv_cache import CachedLM
+    from outrider.decode.runner import CachedLM
 
     model = tiny_models("llama")
 
@@ -124,7 +125,7 @@ def test_compiled_prefill_equals_the_eager_one(tiny_models):
     the steps after them the same logits."""
     from torch._dynamo.utils import counters
 
-    from outrider.kv_cache import CachedLM
+    from outrider.decode.runner import CachedLM
 
     model = tiny_models("llama")
     graphs = []
@@ -154,16 +155,15 @@ def test_compiled_prefill_equals_the_eager_one(tiny_models):
 _FOLD_SCRIPT = """
 import json, re, torch, torch._inductor.config
 from torch._inductor.utils import run_and_get_code
-from outrider import kv_cache
+from outrider.decode import runner
+from outrider.decode.graphs import CompileOptions
 from tiny import make_tiny
 model = make_tiny("llama")
 ids = torch.tensor([[5, 6, 7, 8]])
 out = {}
 for freeze in (False, True):
-    kv_cache.FREEZE_WEIGHTS = freeze
     torch._dynamo.reset()
-    kv_cache._compiled_step.cache_clear()
-    lm = kv_cache.CachedLM(model, 1, 32, read_len="max", compile="inductor")
+    lm = runner.CachedLM(model, 1, 32, read_len="max", compile=CompileOptions(freeze_weights=freeze))
     lm.forward(ids, query_valid=torch.ones_like(ids, dtype=torch.bool))
     lm.commit(torch.ones_like(ids, dtype=torch.bool))
     _, code = run_and_get_code(lambda: lm.forward(ids[:, :2]))
@@ -174,7 +174,7 @@ print(json.dumps(out))
 
 
 def test_frozen_weights_fold_the_projections_of_one_input():
-    """Frozen weights (``kv_cache.FREEZE_WEIGHTS``) really reach inductor: q/k/v and gate/up of each
+    """Frozen weights (``CompileOptions.freeze_weights``) really reach inductor: q/k/v and gate/up of each
     layer fold into one matrix product each (7 -> 4 per layer), seen in the generated code. On the
     CPU inductor folds only when told to and packs weights for oneDNN unless told not to (both set
     here; a GPU folds by default); a fresh interpreter, as inductor registers its freezing passes
@@ -286,23 +286,23 @@ def test_k_must_be_positive(tiny_models):
         SpecEngine(tiny_models("llama"), NgramProposer(), k=0)
 
 
-def test_static_shapes_compile_every_width_and_keep_the_logits(tiny_models, monkeypatch):
-    """``kv_cache.STATIC_SHAPES``: the compiled step specialises on each width (1, 3, 4: three
-    compilations, where the default's turn dynamic at the second width and serve the third), and
-    its logits equal the eager step's."""
+def test_static_shapes_compile_every_width_and_keep_the_logits(tiny_models):
+    """``CompileOptions.static_shapes`` (the default): the compiled step specialises on each width
+    (1, 3, 4: three compilations, where dynamic shapes turn dynamic at the second width and serve
+    the third), and its logits equal the eager step's."""
     from torch._dynamo.utils import counters
 
-    from outrider import kv_cache
+    from outrider.decode.graphs import CompileOptions
+    from outrider.decode.runner import CachedLM
 
     model = tiny_models("llama")
     ids = torch.randint(3, 90, (1, 13), generator=torch.Generator().manual_seed(3))
     compiled_graphs = {}
     try:
         for static in (False, True):
-            monkeypatch.setattr(kv_cache, "STATIC_SHAPES", static)
             torch._dynamo.reset()
-            kv_cache._compiled_step.cache_clear()
-            lms = [kv_cache.CachedLM(model, 1, 64, read_len="max", compile=c) for c in (False, "inductor")]
+            options = CompileOptions(static_shapes=static)
+            lms = [CachedLM(model, 1, 64, read_len="max", compile=c) for c in (False, options)]
             for lm in lms:
                 lm.forward(ids[:, :5], query_valid=torch.ones(1, 5, dtype=torch.bool))
                 lm.commit(torch.ones(1, 5, dtype=torch.bool))
@@ -316,7 +316,6 @@ def test_static_shapes_compile_every_width_and_keep_the_logits(tiny_models, monk
                     lm.commit(torch.ones(1, n, dtype=torch.bool))
                 start += n
             compiled_graphs[static] = counters["stats"]["unique_graphs"] - before
-    finally:  # later tests get the default compilation back
+    finally:  # later tests compile afresh
         torch._dynamo.reset()
-        kv_cache._compiled_step.cache_clear()
     assert compiled_graphs == {False: 2, True: 3}

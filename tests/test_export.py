@@ -7,13 +7,18 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import make_tiny, save_tiny
 
 from outrider.errors import UserError
-from outrider.export import (FORMATS, export, head_spec_from_config, load_head, read_head_spec, save_head,
-                             written_aux_ids)
-from outrider.head import Eagle3Config, Eagle3Head
+from outrider.heads.checkpoint import (
+    FORMATS,
+    head_spec_from_config,
+    load_head,
+    read_head_spec,
+)
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.heads.formats import export, save_head, written_aux_ids
 from outrider.models import load_config_dict
-from tiny import make_tiny, save_tiny
 
 LAYERS = 8  # default aux ids (2, 4, 5): distinct and ascending, like a real model's
 
@@ -162,7 +167,7 @@ def test_a_failed_check_leaves_the_old_export_in_place(head, target_dir, tmp_pat
     out = tmp_path / "out"
     export(head, "vllm", out, dtype="float32")
     before = (out / "model.safetensors").read_bytes()
-    import outrider.export as ex
+    import outrider.heads.formats as ex
 
     monkeypatch.setattr(ex, "_random_check", lambda a, b: float("nan"))
     with pytest.raises(UserError, match="does not reproduce"):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import make_tiny
 from torch.utils.flop_counter import FlopCounterMode
 
-from outrider.head import Eagle3Config
+from outrider.heads.eagle3 import Eagle3Config
 from outrider.train import flops
-from tiny import make_tiny
 
 
 def test_causal_pairs():

@@ -12,12 +12,11 @@ import json
 
 import pytest
 import torch
-
-from outrider.engine import SpecEngine
-from outrider.proposers.eagle3 import Eagle3Proposer
-from outrider.proposers.ngram import NgramProposer
-
 from test_eagle3_proposer import _head
+
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.ngram import NgramProposer
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 24
@@ -65,7 +64,8 @@ def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
     """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
     eager forward) gives the eager forward's logits and aux states, and the step after it the
     same logits, for a prompt other than the one the graph was captured with (same shapes)."""
-    from outrider.kv_cache import CachedLM, graphable
+    from outrider.decode.graphs import graphable
+    from outrider.decode.runner import CachedLM
 
     model, _ = cuda_models(tiny_kind)
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -94,8 +94,9 @@ def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
 def test_prompt_draft_graph_drafts_what_the_eager_chain_drafts(cuda_models, monkeypatch):
     """A request's first draft replayed as a graph over its prompt block padded to 64 positions
     proposes the tokens of the eager chain over the unpadded block (``PROMPT_GRAPH_TOKENS = 0``)."""
-    from outrider.proposers import eagle3
     from test_eagle3_proposer import _drafts
+
+    from outrider.decode.proposers import eagle3
 
     model, refs = cuda_models("llama")
     drafts = {}
@@ -157,7 +158,7 @@ def cuda_training(tmp_path_factory):
     from test_trainer import CFG, _conversations
     from tiny import save_tiny
 
-    from outrider.train.data import build_dataset
+    from outrider.train.prepare import build_dataset
     from outrider.train.trainer import train
 
     tmp = tmp_path_factory.mktemp("cuda-train")
@@ -226,7 +227,9 @@ def test_graphed_capture_equals_the_eager_capture(tiny_kind, cuda_models):
 def test_flex_ttt_attention_gives_the_dense_gradients(S):
     """The flex TTT attention's backward (which has no CPU kernel) against the dense one's, at lengths
     whose steps straddle flex's 128-wide blocks, right-padded rows, all seven steps."""
-    from test_ttt import _head as _ttt_head, _inputs
+    from test_ttt import _head as _ttt_head
+    from test_ttt import _inputs
+
     from outrider.train.ttt import ttt_loss
 
     embed, aux, ids, loss_mask, teacher, real = _inputs(B=3, S=S, seed=7)

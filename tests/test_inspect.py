@@ -6,17 +6,17 @@ import json
 import shutil
 import sys
 
+import fixtures as fx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-import fixtures as fx
-from outrider.compat import FAIL, PASS, WARN, inspect, render, to_json, tokenizer_fingerprint
-from outrider.errors import UserError
-from outrider.export import export
-from outrider.head import Eagle3Config, Eagle3Head
-from outrider.models import load_config_dict
 from tiny import save_tiny
+
+from outrider.errors import UserError
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.heads.formats import export
+from outrider.heads.inspect import FAIL, PASS, WARN, inspect, render, to_json
+from outrider.models import load_config_dict, tokenizer_fingerprint
 
 
 def by_name(report, name, engine=None):

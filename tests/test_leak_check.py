@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from outrider import assets
-from outrider.train.data import _write_split
+from outrider.train.datasets import _write_split
 
 _SPEC = importlib.util.spec_from_file_location(
     "leak_check", Path(__file__).resolve().parents[1] / "benchmarks" / "leak_check.py")

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from outrider.errors import UserError
-from outrider.plan import plan
+from outrider.plan.planner import plan
 from tests.tiny import tiny_config
 
 

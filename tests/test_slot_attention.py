@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import _hf_greedy, _prompts
 from torch.nn import functional as F
 
-from outrider.engine import SpecEngine
-from outrider.kv_cache import CachedLM
-from outrider.slot_attention import NAME, slot_attention, using_slot_attention
-
-from test_engine import _hf_greedy, _prompts
+from outrider.decode.engine import SpecEngine
+from outrider.decode.runner import CachedLM
+from outrider.decode.slot_attention import NAME, slot_attention, using_slot_attention
 
 
 def _step_logits(model, slots: bool) -> torch.Tensor:

@@ -60,7 +60,11 @@ def test_triton_soft_cross_entropy_matches_eager_in_the_interpreter():
 
 
 def test_loss_function_choices():
-    from outrider.train.ttt import fused_soft_cross_entropy, loss_function, soft_cross_entropy
+    from outrider.train.ttt import (
+        fused_soft_cross_entropy,
+        loss_function,
+        soft_cross_entropy,
+    )
 
     assert loss_function(False) is soft_cross_entropy
     assert loss_function("compile") is fused_soft_cross_entropy()

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from outrider.engine import SpecEngine
-from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
-from outrider.proposers.eagle3 import Eagle3Proposer
-from outrider.spec_rounds import DeviceRounds, _accept_round
-
 from test_eagle3_proposer import _head
 from test_engine import _hf_greedy, _prompts
+
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.rounds import DeviceRounds, _accept_round
 
 MAX_NEW = 30
 

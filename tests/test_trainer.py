@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import make_tiny, save_tiny, tiny_tokenizer
 
 from outrider.cli import main as cli_main
 from outrider.config import PRESETS, TrainConfig
 from outrider.errors import UserError
-from outrider.train.data import build_dataset, load_dataset
-from outrider.export import load_head
+from outrider.heads.checkpoint import load_head
+from outrider.train.datasets import load_dataset
+from outrider.train.prepare import build_dataset
 from outrider.train.trainer import lr_factor, tau_at, train
 from outrider.train.vocab import DraftVocab, build_draft_vocab
-from tiny import make_tiny, save_tiny, tiny_tokenizer
 
 CFG = TrainConfig(steps=12, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=3, eval_examples=6, log_every=1,

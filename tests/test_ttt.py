@@ -6,14 +6,20 @@ import math
 
 import pytest
 import torch
+from tiny import make_tiny, tiny_config
 from torch.nn import functional as F
 
-from outrider.head import Eagle3Config, Eagle3Head
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.train.capture import TargetCapture
-from outrider.train.ttt import (TTTModule, counted_positions, simulated_accept_len, ttt_block_mask, ttt_loss,
-                               walked_accept_len)
+from outrider.train.ttt import (
+    TTTModule,
+    counted_positions,
+    simulated_accept_len,
+    ttt_block_mask,
+    ttt_loss,
+    walked_accept_len,
+)
 from outrider.train.vocab import build_draft_vocab
-from tiny import make_tiny, tiny_config
 
 VD = 40
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.vocab import FILENAME, DraftVocab, build_draft_vocab, check_same, token_counts
+from outrider.train.vocab import (
+    FILENAME,
+    DraftVocab,
+    build_draft_vocab,
+    check_same,
+    token_counts,
+)
 
 V = 30
 

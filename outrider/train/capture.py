@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-from outrider.kv_cache import capture_graph, graphable
+from outrider.decode.graphs import capture_graph, graphable
 from outrider.models import AuxCapture
 
 

@@ -85,10 +85,16 @@ from torch import nn
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_write_json, atomic_write_text
-from outrider.head import Eagle3Config, Eagle3Head
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.train import dist, flops, soft_ce
 from outrider.train.capture import TargetCapture
-from outrider.train.data import Batch, TokenDataset, load_dataset, read_manifest, to_device
+from outrider.train.datasets import (
+    Batch,
+    TokenDataset,
+    load_dataset,
+    read_manifest,
+    to_device,
+)
 from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
@@ -441,8 +447,14 @@ class _Bar:
         self._progress = None
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(),
@@ -574,7 +586,7 @@ class _Trainer:
         init_head = None
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
         if init is not None:
-            from outrider.export import load_head
+            from outrider.heads.checkpoint import load_head
 
             init_head, _ = load_head(_init_head_dir(init), target_config=target_cfg)
             init_vocab = DraftVocab.from_mapping(init_head.d2t, init_head.t2d)
@@ -688,7 +700,7 @@ class _Trainer:
         return model.eval().requires_grad_(False), tokenizer
 
     def _load_head_weights(self, directory: Path) -> None:
-        from outrider.export import load_head
+        from outrider.heads.checkpoint import load_head
 
         saved, saved_cfg = load_head(directory)
         if saved_cfg != self.head.config:
@@ -998,7 +1010,7 @@ class _Trainer:
                              "tau_k": self.config.tau_k, "data": self.data, "preset": self.preset}}
 
     def _save_head(self, directory: Path) -> None:
-        from outrider.export import save_head
+        from outrider.heads.formats import save_head
 
         save_head(self.head, directory, target=self.target_name, extra=self._head_extra())
 

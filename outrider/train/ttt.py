@@ -58,7 +58,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch.nn import functional as F
 
-from outrider.head import Eagle3Head
+from outrider.heads.eagle3 import Eagle3Head
 from outrider.train.capture import context_mask, real_positions
 
 

@@ -41,11 +41,16 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
+from outrider.decode.slot_attention import slot_attention
 from outrider.errors import UserError
 from outrider.models import arch_info
-from outrider.slot_attention import slot_attention
 
 SLOT_QUERIES = 64  # up to this many queries over a cache attend by slot_attention (a draft step)
 

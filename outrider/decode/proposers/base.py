@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from outrider.sampling import SamplingParams
+from outrider.decode.graphs import CompileOptions
+from outrider.decode.sampling import SamplingParams
 
 
 @dataclass
@@ -35,7 +36,7 @@ class StartContext:
     target_aux: torch.Tensor | None = None  # [batch, W >= P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     graphs: bool = False  # the engine replays CUDA graphs; a proposer may capture its own steps too
-    compile: bool | str = False  # the engine fuses its step with torch.compile (a str: the backend); so may a proposer
+    compile: CompileOptions | None = None  # the engine fuses its step with torch.compile under these; so may a proposer
 
 
 @dataclass

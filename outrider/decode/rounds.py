@@ -36,9 +36,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from outrider.kv_cache import CachedLM, capture_graph, compiled, graph_kernels
-from outrider.proposers.base import Draft, Outcome, Proposer
-from outrider.verify import verify_greedy
+from outrider.decode.graphs import (
+    CompileOptions,
+    capture_graph,
+    compiled,
+    graph_kernels,
+)
+from outrider.decode.proposers.base import Draft, Outcome, Proposer
+from outrider.decode.runner import CachedLM
+from outrider.decode.verify import verify_greedy
 
 
 def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tensor, positions: torch.Tensor,
@@ -69,8 +75,8 @@ def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tenso
 
 
 @functools.cache
-def _compiled_accept(backend: str) -> Callable:
-    return compiled(_accept_round, backend)
+def _compiled_accept(options: CompileOptions) -> Callable:
+    return compiled(_accept_round, options)
 
 
 class DeviceRounds:
@@ -89,7 +95,8 @@ class DeviceRounds:
         self._positions = torch.arange(k + 1, device=dev)  # [k+1]
         self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
         # the acceptance and commit, fused by torch.compile when the target's step is compiled
-        self._accept = _accept_round if target.compile_backend is None else _compiled_accept(target.compile_backend)
+        options = target.compile_options
+        self._accept = _accept_round if options is None else _compiled_accept(options)
 
     def key_matches(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int) -> bool:
         return (self.target is target and self.proposer is proposer and self.anchor is proposer.device_anchor()

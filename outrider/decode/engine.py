@@ -38,12 +38,19 @@ from typing import Sequence
 
 import torch
 
+from outrider.decode.graphs import CompileOptions, compile_options
+from outrider.decode.kv_cache import static_cache
+from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.rounds import DeviceRounds
+from outrider.decode.runner import (
+    PROMPT_BUCKET,
+    CachedLM,
+    cached_lm_read_len,
+    prefill_graphs_apply,
+)
+from outrider.decode.sampling import RowRandom, SamplingParams, probs, sample
+from outrider.decode.verify import verify_greedy, verify_sampling
 from outrider.errors import UserError, require
-from outrider.kv_cache import PROMPT_BUCKET, CachedLM, cached_lm_read_len, prefill_graphs_apply, static_cache
-from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
-from outrider.sampling import RowRandom, SamplingParams, probs, sample
-from outrider.spec_rounds import DeviceRounds
-from outrider.verify import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -137,7 +144,8 @@ class SpecEngine:
 
     def __init__(self, target: torch.nn.Module, proposer: Proposer | None = None, k: int = 4,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                 read_len: str = "auto", graphs: bool = False, compile: bool | str = False, rounds: int = 8,
+                 read_len: str = "auto", graphs: bool = False, compile: bool | str | CompileOptions | None = False,
+                 rounds: int = 8,
                  attention: str = "slots"):
         # rounds: greedy speculation with a device_rounds proposer runs up to this many rounds per
         # host synchronisation on the device (0: one step per synchronisation, as other proposers)
@@ -154,7 +162,7 @@ class SpecEngine:
         self.read_len = read_len
         self.device = next(target.parameters()).device
         self.graphs = graphs and self.device.type == "cuda"
-        self.compile = compile
+        self.compile = compile_options(compile)  # None: eager
         self.rounds = rounds
         self.attention = attention
         self._pool: dict[tuple, CachedLM] = {}  # graph mode: caches (and their graphs) reused per batch size

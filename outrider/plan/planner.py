@@ -29,25 +29,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from outrider.cost_model import (
-    Acceptance,
-    Calibration,
-    DraftSpec,
-    HardwareProfile,
-    ModelShape,
-    Prediction,
-    calibrate as fit_calibration,
-    calibrate_measured,
-    default_precision,
-    eagle3_head_shape,
-    load_profile,
-    parse_precision,
-    predict,
-    step_cost,
-)
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
 from outrider.models import ArchInfo, arch_info, load_config_dict
+from outrider.plan.acceptance import Acceptance
+from outrider.plan.calibrate import Calibration, calibrate_measured
+from outrider.plan.calibrate import calibrate as fit_calibration
+from outrider.plan.cost_model import (
+    DraftSpec,
+    ModelShape,
+    Prediction,
+    eagle3_head_shape,
+    predict,
+    step_cost,
+)
+from outrider.plan.hardware import (
+    HardwareProfile,
+    default_precision,
+    load_profile,
+    parse_precision,
+)
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
@@ -321,7 +322,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     if json_path is not None:
         atomic_write_json(json_path, result.rows)
     if plot_dir is not None:
-        from outrider.plot import plot_plan
+        from outrider.plan.plot import plot_plan
 
         written = plot_plan(result, plot_dir)
         if written is None:

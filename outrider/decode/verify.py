@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.sampling import sample
+from outrider.decode.sampling import sample
 
 
 @dataclass

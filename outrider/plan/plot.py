@@ -9,15 +9,13 @@ prints a one-line note). Nothing here computes predictions.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from outrider.fsutil import atomic_path
 
-if TYPE_CHECKING:
-    from outrider.plan import PlanResult
 
-
-def plot_plan(result: "PlanResult", out_dir: str | Path) -> list[Path] | None:
+def plot_plan(result: Any, out_dir: str | Path) -> list[Path] | None:
+    """PNG plots of a ``planner.PlanResult`` into ``out_dir``; None when matplotlib is missing."""
     try:
         import matplotlib
 

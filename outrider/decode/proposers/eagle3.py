@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from outrider.kv_cache import PROMPT_BUCKET, backend_of, capture_graph, compiled
-from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
-from outrider.sampling import RowRandom, probs, sample
-
+from outrider.decode.graphs import capture_graph, compiled
+from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.runner import PROMPT_BUCKET
+from outrider.decode.sampling import RowRandom, probs, sample
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: on an H200 an odd count (1537) drew
 # an unaligned GEMM for the draft step's scores, 26 us instead of ~2.5 us
@@ -96,7 +96,7 @@ class Eagle3Proposer(Proposer):
 
     @classmethod
     def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
-        from outrider.export import load_head
+        from outrider.heads.checkpoint import load_head
 
         head, _ = load_head(path, target_config=target.config)
         param = next(target.parameters())
@@ -126,11 +126,10 @@ class Eagle3Proposer(Proposer):
         self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
                                                                   self._link_greedy)
         if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
-            backend = backend_of(ctx.compile)
-            if backend not in self._fused:  # compiled once per proposer and backend
-                self._fused[backend] = tuple(compiled(f, backend) for f in (
+            if ctx.compile not in self._fused:  # compiled once per proposer and options
+                self._fused[ctx.compile] = tuple(compiled(f, ctx.compile) for f in (
                     self._step_body, self._draw_greedy, _right_align, self._link_greedy))
-            self._body, self._greedy_draw, self._align, self._link = self._fused[backend]
+            self._body, self._greedy_draw, self._align, self._link = self._fused[ctx.compile]
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)

@@ -41,221 +41,17 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from outrider.models import AuxCapture, arch_info
-from outrider.slot_attention import supports, using_slot_attention
-
-
-class SlotLayer(CacheLayerMixin):
-    """One decoder layer's buffers: keys/values ``[batch, heads, max_len, dim]``."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, owner: "SlotCache"):
-        super().__init__()
-        self.owner = owner
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
-        B, n = self.owner.rows, self.owner.max_len
-        self.keys = key_states.new_zeros(B, key_states.shape[1], n, key_states.shape[3])
-        self.values = value_states.new_zeros(B, value_states.shape[1], n, value_states.shape[3])
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states: [batch, heads, n, dim] for the n new tokens of this forward
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        slots = self.owner.write_slots  # [n]
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
-        end = self.owner.read_len
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.owner.read_len, 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.owner.ptr
-
-    def get_max_length(self) -> int:
-        return self.owner.max_len
-
-    def get_max_cache_shape(self) -> int:
-        return self.owner.max_len
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            self.keys.zero_()
-            self.values.zero_()
-
-
-class SlotCache(Cache):
-    """Slot-addressed cache shared by all layers of one model for one batch of requests."""
-
-    def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device | str,
-                 read_len: str = "auto"):
-        self.rows = batch_size
-        self.max_len = max_len
-        self.static = static_cache(read_len, device)
-        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [batch, max_len]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [batch]
-        self.ptr = 0  # first slot not yet written by a committed forward
-        self.ptr_dev = torch.zeros((), dtype=torch.long, device=device)  # ptr at the last begin (static mode)
-        self.n_pending = 0
-        self._arange = torch.arange(max_len, device=device)
-        self._eye = torch.eye(64, dtype=torch.bool, device=device)  # new tokens per forward <= 64
-        self._slot_bufs: dict[int, torch.Tensor] = {}
-        self.write_slots = self._arange[:0]
-        self.read_len = max_len
-
-    def begin(self, n: int) -> None:
-        """Reserve slots ``[ptr, ptr + n)`` for the next forward."""
-        if self.ptr + n > self.max_len:
-            raise RuntimeError(f"KV cache full: {self.ptr} + {n} slots > max_len {self.max_len}")
-        if self.static:  # one persistent index buffer per width: CUDA graphs read it by address
-            buf = self._slot_bufs.get(n)
-            if buf is None:
-                buf = self._slot_bufs[n] = torch.arange(n, device=self.valid.device)
-            self.ptr_dev.fill_(self.ptr)
-            torch.add(self._arange[:n], self.ptr_dev, out=buf)
-            self.write_slots = buf
-        else:
-            self.write_slots = self._arange[:n] + self.ptr
-        self.read_len = self.max_len if self.static else self.ptr + n
-        self.n_pending = n
-
-    def attention_mask(self, query_valid: torch.Tensor, new_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[batch, 1, n, read_len]`` for the reserved forward.
-
-        query_valid: [batch, n] bool, False for padding queries (whose outputs are ignored)
-        new_mask:    [n, n] or [batch, n, n] bool, which new tokens each new token may see
-        """
-        B, n = query_valid.shape
-        new = new_mask.expand(B, n, n) & query_valid[:, None, :]
-        eye = self._eye[:n, :n] if n <= self._eye.shape[0] else torch.eye(n, dtype=torch.bool, device=new.device)
-        new = new | eye  # a query always sees itself
-        if self.static:  # slot arithmetic on the device: no host value enters (graph-capturable)
-            rel = self._arange - self.ptr_dev  # [max_len] slot index relative to the first new slot
-            inside = (rel >= 0) & (rel < n)
-            cols = new.index_select(2, rel.clamp(0, n - 1))  # [batch, n, max_len]
-            # committed slots of the row elsewhere; every slot >= ptr is invalid for every row
-            allowed = torch.where(inside, cols, self.valid[:, None, :])
-        else:
-            p = self.ptr
-            allowed = self.valid[:, None, :self.read_len].expand(B, n, self.read_len).clone()  # [batch, n, read_len]
-            allowed[:, :, p:p + n] = new
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[:, None]
-
-    def reset(self) -> None:
-        """Forget every row's tokens (buffers and graphs stay allocated for the next batch)."""
-        self.valid.zero_()
-        self.lengths.zero_()
-        self.ptr = 0
-        self.n_pending = 0
-
-    def commit(self, keep: torch.Tensor, used: int | None = None) -> None:
-        """Keep, per row, the new tokens where ``keep`` [batch, n] is True.
-
-        Kept tokens become visible to later forwards and advance the row's length. Slots after
-        the last token kept by any row are released for the next forward; a caller that knows
-        that count (``used``: 1 + the last kept index over all rows) spares a host sync.
-        """
-        n = self.n_pending
-        assert keep.shape == (self.rows, n), (keep.shape, n)
-        p = self.ptr
-        self.valid[:, p:p + n] = keep
-        self.lengths += keep.sum(dim=1)
-        if used is None:
-            cols = keep.any(dim=0).nonzero()
-            used = int(cols.max()) + 1 if cols.numel() else 0
-        self.ptr = p + used
-        self.n_pending = 0
-
-    def rollback(self, num: torch.Tensor) -> None:
-        """Forget, per row, the last ``num[b]`` committed tokens (a draft model's rejected guesses)."""
-        # from_end[b, s]: committed tokens of row b at slots >= s
-        from_end = self.valid.flip(1).long().cumsum(1).flip(1)
-        drop = self.valid & (from_end <= num[:, None])
-        self.valid &= ~drop
-        self.lengths -= drop.sum(dim=1)
-        cols = self.valid.any(dim=0).nonzero()
-        self.ptr = int(cols.max()) + 1 if cols.numel() else 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.ptr
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.read_len, 0
-
-    def get_max_length(self) -> int:
-        return self.max_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-
-@contextlib.contextmanager
-def graph_safe_experts(model: torch.nn.Module):
-    """Mixture-of-experts layers without host synchronisation while a CUDA graph is captured.
-
-    ``transformers``' ``grouped_mm`` experts copy group offsets through the host, which graph
-    capture forbids; ``batched_mm`` (gathering each token's experts) has none, and is what
-    ``transformers`` itself switches to for decoding on GPUs. Dense models pass through.
-    """
-    get = getattr(model, "get_experts_implementation", None)
-    original = get() if callable(get) else None
-    switch = isinstance(original, dict) and "grouped_mm" in original.values()
-    if switch:
-        model.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()})
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_experts_implementation(original)
-
-
-@contextlib.contextmanager
-def graph_kernels(model: torch.nn.Module, slots: bool = True):
-    """The kernels a captured step of ``model`` records: batched experts (``graph_safe_experts``)
-    and, with ``slots``, ``slot_attention`` for its few new queries over the whole slot buffer
-    (on the H200 a width-6 step of the default model 1.63 ms against 2.31 ms with its SDPA)."""
-    with graph_safe_experts(model), using_slot_attention(model, slots):
-        yield
-
-
-def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, pool=None,
-                  after_each: Callable[[], Any] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Run ``fn`` ``warmups`` times on a side stream (``after_each`` after every run), then
-    capture one call as a CUDA graph; returns the graph and the call's (static) outputs."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-            if after_each is not None:
-                after_each()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
-
-
-def graphable(target: torch.nn.Module) -> bool:
-    """Whether a graphed forward over many new tokens with one explicit mask computes what the
-    target's own does: a dense target whose every layer attends causally over the full context (a
-    mixture of experts routes through the host or by data-dependent shapes)."""
-    cfg = getattr(target.config, "text_config", None) or target.config
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return (supports(target) and kinds == {"full_attention"} and not arch_info(cfg).is_moe
-            and not getattr(cfg, "attention_chunk_size", None))
+from outrider.decode.graphs import (
+    CompileOptions,
+    capture_graph,
+    compile_options,
+    compiled,
+    graph_kernels,
+    graphable,
+)
+from outrider.decode.kv_cache import SlotCache
+from outrider.models import AuxCapture
 
 
 def prefill_graphs_apply(model: torch.nn.Module, batch: int, width: int) -> bool:
@@ -291,82 +87,29 @@ def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 @functools.cache
-def _compiled_prefill(backend: str):
-    """``_prefill_step`` compiled once per process and backend, dynamic in every size from the start
+def _compiled_prefill(options: CompileOptions):
+    """``_prefill_step`` compiled once per process and options, dynamic in every size from the start
     (prompt lengths vary from call to call): an eager prefill launches each of the model's few
-    hundred small kernels from Python (~40 ms per prompt of the default model on an H200). With
-    ``FREEZE_WEIGHTS`` each compiled variant holds its own folded projections (with and without
-    aux capture, say): a target whose weights barely fit sets ``compile_prefill=False``."""
-    return compiled(_prefill_step, backend, dynamic=True)
+    hundred small kernels from Python. With frozen weights each compiled variant holds its own
+    folded projections (with and without aux capture, say): a target whose weights barely fit
+    sets ``compile_prefill=False``."""
+    return compiled(_prefill_step, options, dynamic=True)
 
 
 @functools.cache
-def _compiled_step(backend: str):
-    """``_plain_step`` compiled once per process and backend, shared by every ``CachedLM``.
+def _compiled_step(options: CompileOptions):
+    """``_plain_step`` compiled once per process and options, shared by every ``CachedLM``.
 
     One compiled function (rather than one per cache) lets a new cache of the same model reuse
-    the compiled code; widths 1..k+1, batch sizes and cache lengths become dynamic after their
-    first change, which keeps recompilation to a handful.
+    the compiled code: with static shapes one variant per width 1..k+1, batch size and cache
+    size; otherwise those become dynamic after their first change.
     """
-    return compiled(_plain_step, backend)
+    return compiled(_plain_step, options)
 
 
 PROMPT_BUCKET = 64  # with graphs, prompts are padded to a multiple of this width (a graph per width)
 PREFILL_GRAPH_TOKENS = 4096  # with graphs, prompts of up to this many batch x width positions replay as a graph,
 PREFILL_GRAPHS_MAX = 16  # ... for this many (batch, width, logits asked) per cache at most (each keeps its outputs)
-FREEZE_WEIGHTS = True  # inductor: compiled inference steps treat the weights as constants (``compiled``)
-STATIC_SHAPES = False  # compiled steps specialise on every shape (one compilation per width, batch, cache size,
-# each with its own frozen weights: for a benchmark of a few shapes)
-
-
-def backend_of(compile: bool | str) -> str | None:
-    """The ``torch.compile`` backend a ``compile`` setting names: True = inductor, a name = that
-    backend, False = none (eager)."""
-    return (compile if isinstance(compile, str) else "inductor") if compile else None
-
-
-def compiled(fn: Callable, backend: str, dynamic: bool | None = None) -> Callable:
-    """``fn`` compiled by ``torch.compile`` with ``backend``; shapes become dynamic after their
-    first change (``dynamic=True``: from the start; ``False``, or ``None`` under ``STATIC_SHAPES``:
-    never, one compilation per shape), and the recompilation limit is raised for the widths and
-    batch sizes we use. ``STATIC_SHAPES`` is read here, when a function is compiled: set it before
-    the first compiled step of the process.
-
-    For inference only: with inductor and ``FREEZE_WEIGHTS`` the weights are frozen into the
-    compiled code, which lets inductor fold the projections that read one input into one matrix
-    product (query/key/value, gate/up: 4 instead of 7 per Llama layer; the launches, not the
-    bytes, dominate a small batch's step). The folded weights are copies, one set per compiled
-    variant (a handful: widths, batch sizes): fine for the models this engine measures on one GPU,
-    set ``FREEZE_WEIGHTS = False`` for a target whose weights barely fit; changing the model's
-    weights afterwards does not reach the compiled step.
-    """
-    import torch._dynamo
-    import torch._inductor.config
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if dynamic is None and STATIC_SHAPES:
-        dynamic = False
-    step = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=False)
-    if backend != "inductor" or not FREEZE_WEIGHTS:
-        return step
-
-    @functools.wraps(fn)
-    def frozen(*args, **kwargs):
-        # the setting must hold while dynamo traces (it decides there how weights enter the graph),
-        # not only while inductor compiles: a torch.compile option would come too late
-        with torch._inductor.config.patch(freezing=True):
-            return step(*args, **kwargs)
-
-    return frozen
-
-
-def static_cache(read_len: str, device: torch.device | str) -> bool:
-    """Does a ``SlotCache`` with this ``read_len`` on ``device`` hand attention the whole buffer
-    (``"max"``; ``"auto"`` on CUDA), keeping its first free slot on the device?"""
-    if read_len not in ("used", "max", "auto"):
-        raise ValueError(read_len)
-    # "auto": fixed attention shapes on CUDA, no kernel re-planning per length
-    return read_len == "max" or (read_len == "auto" and torch.device(device).type == "cuda")
 
 
 def cached_lm_read_len(read_len: str, device: torch.device | str, graphs: bool, compile: bool | str) -> str:
@@ -392,7 +135,8 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int,
                  aux_layer_ids: Sequence[int] | None = None, read_len: str = "auto", graphs: bool = False,
-                 compile: bool | str = False, attention: str = "slots", compile_prefill: bool = False):
+                 compile: bool | str | CompileOptions | None = False, attention: str = "slots",
+                 compile_prefill: bool = False):
         if attention not in ("slots", "model"):
             raise ValueError(f"attention must be 'slots' or 'model', got {attention!r}")
         self.model = model
@@ -410,11 +154,11 @@ class CachedLM:
         self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}  # (batch, n, m) -> graph, inputs, outputs
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
-        self.compile_backend = backend_of(compile)  # of the plain step; None: eager
-        self._step_fn = _plain_step if self.compile_backend is None else _compiled_step(self.compile_backend)
+        self.compile_options = compile_options(compile)  # of the plain step; None: eager
+        self._step_fn = _plain_step if self.compile_options is None else _compiled_step(self.compile_options)
         # the other forwards (prompts, ragged blocks) compiled too, on request (slow to compile)
-        fused_prefill = self.compile_backend is not None and compile_prefill
-        self._prefill_fn = _compiled_prefill(self.compile_backend) if fused_prefill else _prefill_step
+        fused_prefill = self.compile_options is not None and compile_prefill
+        self._prefill_fn = _compiled_prefill(self.compile_options) if fused_prefill else _prefill_step
 
     def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plain step over reserved slots, eager or compiled: (logits, aux)."""

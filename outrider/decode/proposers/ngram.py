@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from outrider.decode.proposers.base import Draft, Proposer
 from outrider.errors import require
-from outrider.proposers.base import Draft, Proposer
 
 
 def ngram_lookup(history: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:

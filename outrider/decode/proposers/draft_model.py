@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from outrider.kv_cache import CachedLM
-from outrider.proposers.base import Draft, Outcome, Proposer, StartContext
-from outrider.sampling import RowRandom, probs, sample
+from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.runner import CachedLM
+from outrider.decode.sampling import RowRandom, probs, sample
 
 
 class DraftModelProposer(Proposer):

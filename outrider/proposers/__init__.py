@@ -1,1 +1,0 @@
-"""Draft proposers behind one small protocol (``base.Proposer``): n-gram, draft model, EAGLE-3."""

@@ -1,0 +1,229 @@
+"""Conversations -> token ids + assistant loss masks, stored as Parquet shards with a manifest.
+
+Contract:
+- Reading. ShareGPT records (``conversations: [{from: human|gpt|system, value}]``) and OpenAI
+  records (``messages: [{role, content}]``), from a JSON list or a JSONL file, or the embedded
+  ShareGPT (``dataset='sharegpt'``, through ``outrider.sharegpt.load_sharegpt``, whose held-out
+  conversations, reserved for benchmarks, are never used for training). Every record becomes
+  ``[{role, content}]`` with roles ``system``/``user``/``assistant``. Assistant turns that come
+  before any user turn are removed (a reply to nothing). A record that cannot be used is skipped
+  and counted under a reason; a file with nothing usable is a ``UserError``.
+- Masks come from the target's own chat template, never from separator strings written here.
+  For assistant turn ``i`` the template renders ``messages[:i]`` with the generation prompt
+  (text ``P``) and ``messages[:i+1]`` (text ``Q``); the turn is ``Q[len(P):]``. Texts are cut at
+  these boundaries, each piece is tokenised, and the concatenation is verified against the
+  tokenisation of the whole rendering (if it differs, boundaries are recovered by tokenising
+  prefixes; if that fails too the conversation is dropped). No offset mapping is needed, so
+  tokenizers without one (Kimi's tiktoken) work. Inside a turn the mask is 1 up to and including
+  the last end-of-turn token (the tokenizer's EOS and the model's ``generation_config`` EOS ids),
+  0 after it (e.g. a newline the template adds after the end token, which the model never emits).
+  A template that renders a reply differently once later turns follow (``Q_i`` is not a prefix
+  of ``P_{i+1}``, as when a thinking block is kept only on the final reply) is not split across
+  turns: only the last reply that fits is learned, in its final form, after its context.
+- Sequences are cut to ``max_length`` tokens; a conversation with no masked token left is dropped,
+  and so is one whose tokens an earlier one already has (sources repeat conversations under other
+  ids: such a copy would train twice, or sit on both sides of the split). Train/eval split by a
+  seeded permutation. Output directory (written atomically): shards
+  ``{train,eval}-NNNNN.parquet`` with columns ``input_ids list<int32>``, ``loss_mask list<int8>``
+  (aligned with ``input_ids``: ``loss_mask[t] = 1`` iff token ``t`` is an assistant token the
+  model must learn to predict from the tokens before it), ``conv_id string``; and
+  ``manifest.json`` (tokenizer fingerprint, chat-template hash, counts, drop reasons, shards).
+- ``regenerate=True`` replaces each assistant turn, in order, with the target's own greedy reply
+  to the conversation so far (``temperature > 0``: a reply sampled at that temperature, no top-k
+  or top-p, seeded by ``seed``), through a local ``generate_fn(prompts, max_new_tokens)`` (token
+  ids in, new token ids out; prompts go in waves of similar length, one wave per
+  ``generate_fn.batch_size`` when it declares one; it samples at ``generate_fn.temperature`` with
+  ``generate_fn.seed``, 0 when it declares none, which must be the ones asked) or an
+  OpenAI-compatible server (each request seeded from ``seed``, the conversation and the turn).
+  Locally the draws depend on how replies were batched: a resumed run samples the rest afresh.
+  Finished conversations are appended to a JSONL cache next to the output (``<out>.regen.jsonl``)
+  and reused on a rerun with the same settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
+  had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
+  not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
+- ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
+  shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split
+  with its own; an example whose tokens were seen before is dropped).
+
+Not done here: packing several conversations into one sequence, tool-call or multimodal turns,
+top-k or top-p during regeneration, sanitising control tokens inside message text
+(conversations whose text contains one of the tokenizer's special tokens are dropped instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from outrider.errors import UserError
+from outrider.progress import Bar
+from outrider.train.conversations import Dropped, load_source
+from outrider.train.datasets import FORMAT, VERSION, write_dataset
+from outrider.train.regenerate import GenerateFn, pad_id, regenerate_conversations
+from outrider.train.template import (
+    control_strings,
+    end_token_ids,
+    require_chat_template,
+    tokenize_conversation,
+    vocab_identity,
+    without_control_text,
+)
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+
+
+@dataclass
+class DataReport:
+    out: str
+    source: str
+    scanned: int  # source conversations looked at (after held-out exclusion)
+    heldout_excluded: int
+    kept: int
+    train: int
+    eval: int
+    truncated: int
+    tokens: int
+    loss_tokens: int
+    dropped: dict[str, int] = field(default_factory=dict)
+    last_turn_only: int = 0  # conversations of which only the last turn is learned (template not prefix-stable)
+    regenerated: int = 0  # conversations whose assistant turns are the target's own
+    from_cache: int = 0  # of those, taken from the cache of an earlier run
+    cache: str | None = None
+    source_note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"wrote {self.out}: {self.kept} conversations ({self.train} train, {self.eval} eval), "
+                 f"{self.tokens} tokens, {self.loss_tokens} assistant (loss) tokens"]
+        lines.append(f"source {self.source}: {self.scanned} conversations read"
+                     + (f", {self.heldout_excluded} held out for benchmarks" if self.heldout_excluded else "")
+                     + (f", {self.truncated} truncated" if self.truncated else "")
+                     + (f", {self.last_turn_only} with only their last reply learned (the chat template renders "
+                        "earlier replies differently)" if self.last_turn_only else ""))
+        if self.dropped:
+            lines.append("dropped: " + ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())))
+        if self.regenerated or self.cache:
+            lines.append(f"regenerated by the target: {self.regenerated} ({self.from_cache} from {self.cache})")
+        if self.source_note:
+            lines.append(self.source_note)
+        return "\n".join(lines)
+
+
+def _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens) -> None:
+    if max_conversations is not None and max_conversations < 1:
+        raise UserError(f"--max-conversations must be at least 1, got {max_conversations}")
+    if max_length < 8:
+        raise UserError(f"--max-length must be at least 8 tokens, got {max_length}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UserError(f"the eval fraction must be in [0, 1), got {eval_fraction}")
+    if concurrency < 1:
+        raise UserError(f"--concurrency must be at least 1, got {concurrency}")
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+def _split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (in source order) of train and eval examples; eval is a seeded random subset."""
+    n_eval = int(round(eval_fraction * n))
+    if eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    else:
+        n_eval = 0
+    perm = np.random.default_rng(int(seed)).permutation(n)
+    eval_idx = set(int(i) for i in perm[:n_eval])
+    return [i for i in range(n) if i not in eval_idx], sorted(eval_idx)
+
+
+def build_dataset(target: str, dataset: str, out: str, max_conversations: int | None = None, max_length: int = 2048,
+                  eval_fraction: float = 0.05, seed: int = 0, regenerate: bool = False, server: str | None = None,
+                  server_model: str | None = None, concurrency: int = 8, max_new_tokens: int = 256,
+                  progress: bool = True, generate_fn: GenerateFn | None = None, temperature: float = 0.0, *,
+                  shard_rows: int = 8192, retries: int = 5, backoff: float = 1.0,
+                  timeout: float = 300.0) -> DataReport:
+    """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
+    from outrider.models import load_tokenizer, resolve
+
+    _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
+    if server and not regenerate:
+        raise UserError("--server is only used to regenerate responses: add --regenerate")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise UserError(f"--temperature must be a number >= 0, got {temperature}")
+    if temperature and not regenerate:
+        raise UserError("--temperature is only used to regenerate responses: add --regenerate")
+    out_path = Path(out).expanduser()
+    tokenizer = load_tokenizer(target)
+    require_chat_template(tokenizer, str(target))
+    model_path = resolve(target)
+    end = set(end_token_ids(tokenizer, model_path if model_path.is_dir() else None))
+    fingerprint = vocab_identity(tokenizer)
+
+    src = load_source(dataset, max_conversations)
+    dropped: Counter = Counter(src.dropped)
+    controls = control_strings(tokenizer)
+    conversations = without_control_text(src.conversations, controls, dropped)
+
+    regen_info: dict[str, Any] | None = None
+    if regenerate and conversations:
+        conversations, regen_info = regenerate_conversations(
+            conversations, tokenizer, target, model_path, end, fingerprint["chat_template_hash"], out_path,
+            server, server_model, concurrency, max_new_tokens, max_length, progress, generate_fn,
+            dict(timeout=timeout, retries=retries, backoff=backoff), dropped, float(temperature), seed)
+        conversations = without_control_text(conversations, controls, dropped)
+        regen_info["conversations"] = len(conversations)
+
+    rows: list[tuple[str, list[int], list[int]]] = []
+    truncated = last_turn_only = 0
+    seen: set[bytes] = set()
+    with Bar(progress, "tokenising", len(conversations)) as bar:
+        for conv in conversations:
+            try:
+                tok = tokenize_conversation(tokenizer, conv.messages, max_length, end)
+                key = np.asarray(tok.input_ids, dtype=np.int64).tobytes()
+                if key in seen:
+                    raise Dropped("duplicate")
+                seen.add(key)
+            except Dropped as d:
+                dropped[d.reason] += 1
+            else:
+                rows.append((conv.conv_id, tok.input_ids, tok.loss_mask))
+                truncated += int(tok.truncated)
+                last_turn_only += int(tok.last_turn_only)
+            bar.advance()
+    if not rows:
+        detail = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items()))
+        raise UserError(f"no conversation left with anything to learn ({detail}): check the data, the chat "
+                        "template or --max-length")
+
+    train_idx, eval_idx = _split(len(rows), eval_fraction, seed)
+    pad = pad_id(tokenizer, end)
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION,
+        "target": str(target),
+        "tokenizer": {**fingerprint, "pad_token_id": int(pad), "end_token_ids": sorted(end)},
+        "source": {"dataset": src.name, "scanned": src.scanned, "heldout_excluded": src.heldout_excluded,
+                   "max_conversations": max_conversations, "note": src.note},
+        "max_length": max_length, "seed": seed, "eval_fraction": eval_fraction,
+        "regenerate": regen_info,
+        "counts": {"kept": len(rows), "train": len(train_idx), "eval": len(eval_idx), "truncated": truncated,
+                   "last_turn_only": last_turn_only, "dropped": dict(sorted(dropped.items()))},
+        "columns": {"input_ids": "list<int32>", "loss_mask": "list<int8>", "conv_id": "string"},
+        "splits": {},
+    }
+    write_dataset(out_path, manifest, {"train": [rows[i] for i in train_idx], "eval": [rows[i] for i in eval_idx]},
+                   shard_rows)
+    splits = manifest["splits"]
+    return DataReport(
+        out=str(out_path), source=src.name, scanned=src.scanned, heldout_excluded=src.heldout_excluded,
+        kept=len(rows), train=len(train_idx), eval=len(eval_idx), truncated=truncated, last_turn_only=last_turn_only,
+        tokens=splits["train"]["tokens"] + splits["eval"]["tokens"],
+        loss_tokens=splits["train"]["loss_tokens"] + splits["eval"]["loss_tokens"],
+        dropped=dict(sorted(dropped.items())), regenerated=regen_info["conversations"] if regen_info else 0,
+        from_cache=regen_info["from_cache"] if regen_info else 0, cache=regen_info["cache"] if regen_info else None,
+        source_note=src.note)
