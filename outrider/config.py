@@ -226,3 +226,35 @@ PRESETS: dict[str, TrainConfig] = {
         time_budget_s=480.0, compile_head=True, graph_target=True, min_batch_tokens=16384,
     ),
 }
+
+
+def resolve_config(preset: str | None, config: "TrainConfig | str | None", device_type: str
+                   ) -> tuple["TrainConfig", str | None]:
+    """The run's settings: a ``TrainConfig`` as given, or a preset (default ``full`` on CUDA, ``quick``
+    elsewhere) overridden by a JSON file of settings (an earlier ``train_config.json`` works too)."""
+    if isinstance(config, TrainConfig):
+        if preset is not None and config != TrainConfig.preset(preset):
+            raise UserError("give either a preset or a TrainConfig, not both")
+        return config, preset
+    name = preset or ("full" if device_type == "cuda" else "quick")
+    base = TrainConfig.preset(name)
+    if config is None:
+        return base, name
+    p = Path(config).expanduser()
+    if not p.is_file():
+        raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
+    try:
+        overrides = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read the training config {p}: {e}") from None
+    if isinstance(overrides, dict) and isinstance(overrides.get("config"), dict):  # an earlier train_config.json
+        overrides = overrides["config"]
+    if not isinstance(overrides, dict):
+        raise UserError(f"the training config {p} must be a JSON object of settings")
+    merged = base.to_dict()
+    unknown = sorted(set(overrides) - set(merged))
+    if unknown:
+        raise UserError(f"unknown training setting(s) {', '.join(unknown)} in {p}: known ones are "
+                        f"{', '.join(sorted(merged))}")
+    merged.update(overrides)
+    return TrainConfig.from_dict(merged), name

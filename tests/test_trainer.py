@@ -22,8 +22,9 @@ from outrider.config import PRESETS, TrainConfig
 from outrider.errors import UserError
 from outrider.heads.checkpoint import load_head
 from outrider.train.datasets import load_dataset
+from outrider.train.metrics import tau_at
 from outrider.train.prepare import build_dataset
-from outrider.train.trainer import lr_factor, tau_at, train
+from outrider.train.trainer import lr_factor, train
 from outrider.train.vocab import DraftVocab, build_draft_vocab
 
 CFG = TrainConfig(steps=12, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
@@ -206,9 +207,9 @@ def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight
 
 def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
     from outrider.train import dist
-    from outrider.train.trainer import _Cursor
+    from outrider.train.datasets import BatchCursor
 
-    cursor = _Cursor(load_dataset(env["data"]), CFG, dist.init_from_env("cpu"), CFG.seed)
+    cursor = BatchCursor(load_dataset(env["data"]), CFG, dist.init_from_env("cpu"), CFG.seed)
     want = []
     for _ in range(CFG.steps):
         for _ in range(CFG.grad_accum):

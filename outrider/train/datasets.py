@@ -99,6 +99,11 @@ class Batch:
         return Batch(*(to_device(t, device, non_blocking)
                        for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
 
+    def cut(self, max_length: int) -> "Batch":
+        """The first ``max_length`` positions of every row."""
+        return Batch(self.input_ids[:, :max_length], self.attention_mask[:, :max_length],
+                     self.loss_mask[:, :max_length], self.indices)
+
 
 def to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
     """``t`` on ``device``; a host tensor bound for CUDA with ``non_blocking`` goes through pinned
@@ -377,3 +382,48 @@ def subset_dataset(directory: str | Path, out: str | Path, min_length: int, shar
                       "eval": len(rows["eval"]), "dropped": {}}, "splits": {}}
     write_dataset(Path(out).expanduser(), new, rows, shard_rows)
     return new
+
+
+def load_split(data: str, split: str, required: bool) -> TokenDataset | None:
+    manifest = read_manifest(data)
+    if split not in manifest.get("splits", {}) or manifest["splits"][split].get("examples", 0) == 0:
+        if required:
+            raise UserError(f"the dataset {data} has no {split} examples: build it with `outrider data` "
+                            "from conversations that have assistant turns")
+        return None
+    return load_dataset(data, split)
+
+
+# On CUDA, batch widths are padded to a multiple of this: attention backends (cuDNN) build an
+# execution plan per shape, which cost ~30 ms of host time per new width and TTT step in a profile
+# of length-grouped batches (every batch a new width); 16 widths up to 1024 keep them cached.
+PAD_MULTIPLE_CUDA = 64
+
+
+class BatchCursor:
+    """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by
+    ``seed``); batches of ``batch_size`` sequences, or of ``batch_tokens`` padded tokens. Each
+    epoch's plan (``TokenDataset.global_batches``) is computed once, when the epoch starts."""
+
+    def __init__(self, ds: TokenDataset, cfg: Any, env: Any, seed: int, epoch: int = 0,
+                 batch: int = 0):
+        self.ds, self.cfg, self.env, self.seed = ds, cfg, env, seed
+        self.pad = PAD_MULTIPLE_CUDA if env.device.type == "cuda" else 1
+        self.epoch, self.batch = epoch, batch
+        self._plan = self._epoch_plan(epoch)
+
+    def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        cfg, w = self.cfg, self.env.world_size
+        return self.ds.global_batches(cfg.batch_size * w, self.seed, epoch, True, cfg.group_by_length,
+                                      cfg.batch_tokens * w, cfg.max_length, self.pad, w, cfg.min_batch_tokens * w)
+
+    def next(self) -> Batch:
+        if self.batch >= len(self._plan):
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._plan = self._epoch_plan(self.epoch)
+        rows = self._plan[self.batch][self.env.rank::self.env.world_size]  # this rank's share
+        self.batch += 1
+        return self.ds.collate(rows, self.pad)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed}

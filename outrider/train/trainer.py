@@ -70,11 +70,8 @@ Not done here: the loss and the mask (``ttt``), the capture (``capture``), the d
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import random
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -82,86 +79,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from outrider.config import TrainConfig
+from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir, atomic_write_json, atomic_write_text
+from outrider.fsutil import atomic_write_json, atomic_write_text
+from outrider.heads.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.train import dist, flops, soft_ce
+from outrider.heads.formats import save_head
+from outrider.models import arch_info, load_model, load_tokenizer
+from outrider.progress import Bar
+from outrider.train import checkpoint, dist, flops, soft_ce
 from outrider.train.capture import TargetCapture
-from outrider.train.datasets import (
-    Batch,
-    TokenDataset,
-    load_dataset,
-    read_manifest,
-    to_device,
-)
-from outrider.train.ttt import counted_positions, ttt_loss, walked_accept_len
+from outrider.train.datasets import BatchCursor, load_split, to_device
+from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
+from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
-STATE_FORMAT = "outrider-train-state"
-STATE_VERSION = 1
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
-
-
 # --------------------------------------------------------------------------------------------
-# Report
-
-
-@dataclass
-class TrainReport:
-    out: str
-    head_dir: str
-    preset: str | None
-    steps: int  # optimizer steps done in total (including resumed ones)
-    schedule_steps: int  # the schedule's horizon (config ``steps``)
-    best_step: int
-    best_sim_tau: float  # simulated acceptance length at ``tau_k`` drafts of the saved head
-    tau_k: int
-    final_eval: dict[str, Any]  # the last evaluation's metrics (empty without an eval split)
-    train_tokens: int  # real tokens seen by this run (all ranks, resumed part excluded)
-    wall_s: float  # this invocation, loading included
-    train_s: float  # time inside optimizer steps (capture, TTT, backward, update)
-    tokens_per_s: float  # train_tokens / train_s, the target's forward included
-    mfu: float | None
-    mfu_note: str
-    world_size: int
-    global_batch: int  # sequences per optimizer step, at least with min_batch_tokens (0: counted in tokens)
-    global_batch_tokens: int  # padded tokens per optimizer step at most (0 when batches count sequences)
-    device: str
-    draft_vocab_size: int
-    vocab_coverage: float  # share of the training data's loss tokens the draft vocabulary covers
-    resumed_from: int | None = None
-    rank: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def _batch_words(self) -> str:
-        return f"{self.global_batch_tokens} padded tokens" if self.global_batch_tokens else str(self.global_batch)
-
-    def summary(self) -> str:
-        lines = [f"trained {self.steps}/{self.schedule_steps} steps on {self.device} x{self.world_size} "
-                 f"(global batch {self._batch_words()}, preset {self.preset or 'custom'})"
-                 + (f", resumed from step {self.resumed_from}" if self.resumed_from is not None else "")]
-        lines.append(f"best head: {self.head_dir} (step {self.best_step}, simulated tau@{self.tau_k} "
-                     f"{self.best_sim_tau:.3f})")
-        if self.final_eval:
-            acc = ", ".join(f"{a:.2f}" for a in self.final_eval.get("per_step_acc", []))
-            lines.append(f"final eval: loss {self.final_eval['loss']:.4f}, accuracy per step [{acc}], "
-                         f"simulated tau@{self.tau_k} {self.final_eval['sim_tau_k']:.3f}"
-                         + (f", walked {self.final_eval['walk_tau_k']:.3f}" if "walk_tau_k" in self.final_eval else ""))
-        mfu = f", MFU {100 * self.mfu:.1f}%" if self.mfu is not None else f" ({self.mfu_note})"
-        lines.append(f"{self.train_tokens} tokens in {self.train_s:.0f} s of training ({self.wall_s:.0f} s in all): "
-                     f"{self.tokens_per_s:.0f} tokens/s including the target's forward{mfu}")
-        lines.append(f"draft vocabulary {self.draft_vocab_size} tokens, covering {100 * self.vocab_coverage:.1f}% "
-                     "of the training loss tokens")
-        lines.extend(self.notes)
-        return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Schedule, objective, metrics
+# Schedule
 
 
 def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float:
@@ -176,307 +110,6 @@ def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float
     span = max(config.steps - config.warmup_steps, 1)
     progress = min(max((step - config.warmup_steps) / span, budget_used), 1.0)
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def tau_at(acc: Sequence[float], k: int) -> float:
-    """Simulated acceptance length of a chain of ``k`` drafts: ``1 + sum_{j<=k} prod_{i<=j} acc_i``."""
-    total, run = 1.0, 1.0
-    for a in list(acc)[:k]:
-        run *= float(a)
-        total += run
-    return total
-
-
-class _Objective(nn.Module):
-    """The head plus the TTT loss, as one module so that DDP sees a ``forward``."""
-
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, ttt_steps: int, fused: bool | str = False,
-                 compile_head: bool = False, attention: str = "dense"):
-        super().__init__()
-        self.head = head
-        self._embedding = (embedding,)  # the target's, frozen; not a submodule (DDP must not see it)
-        self.ttt_steps, self.fused, self.compile_head, self.attention = ttt_steps, fused, compile_head, attention
-
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
-                attention_mask: torch.Tensor, weights: Sequence[float],
-                index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
-        # aux: [batch, seq, 3*H_t]; input_ids, loss_mask, attention_mask: [batch, seq];
-        # teacher: [batch, seq, draft_vocab]; index: ``counted_positions`` on the device, or None
-        return ttt_loss(self.head, self._embedding[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.ttt_steps, weights=list(weights), reduction="sum", fused=self.fused, index=index,
-                        compile_head=self.compile_head, attention=self.attention)
-
-
-class _HostCopy:
-    """Device tensors copied to pinned host memory behind the work queued so far: ``get`` waits for
-    that work only, not for what the host queued after it (a plain ``.cpu()`` waits for it all)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.sizes = [t.numel() for t in tensors]
-        flat = (torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors
-                else torch.zeros(0, dtype=torch.float64))  # [sum of sizes]
-        self.event = None
-        if flat.is_cuda:
-            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            self.host.copy_(flat, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = flat
-
-    def get(self) -> list[torch.Tensor]:
-        if self.event is not None:
-            self.event.synchronize()
-        return list(self.host.split(self.sizes))
-
-
-class _Sums:
-    """Per-step sums over a batch (all micro-batches; all ranks after ``reduce``)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-        self.ce = torch.zeros(steps, dtype=torch.float64)  # [steps] summed soft cross-entropy
-        self.correct = torch.zeros(steps, dtype=torch.long)  # [steps] argmax agreements
-        self.counted = torch.zeros(steps, dtype=torch.long)  # [steps] loss positions
-        self.tokens = 0  # real tokens
-        self.walk = torch.zeros(2, dtype=torch.long)  # [tokens, rounds] of walked decoding (eval only)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # device-side, not yet read
-        self._staged: _HostCopy | None = None  # the pending values (and extras) on their way to the host
-        self.extra: list[torch.Tensor] = []  # the ``stage`` extras, once read
-
-    def add(self, out, tokens: int) -> None:
-        """Counts now; the device-side metrics are read when first needed (one host round trip)."""
-        self._pending.append((out.per_step_loss, out.per_step_correct, out.per_step_tokens))
-        self.counted += out.per_step_tokens
-        self.tokens += int(tokens)
-
-    def stage(self, *extra: torch.Tensor) -> None:
-        """Starts the copy of the pending device values and ``extra`` to the host, without waiting."""
-        self._staged = _HostCopy([t for loss, correct, _ in self._pending for t in (loss, correct)] + list(extra))
-
-    def _read(self) -> None:
-        if self._staged is None and self._pending:
-            self.stage()
-        if self._staged is not None:
-            values = self._staged.get()
-            for j, (_, _, n) in enumerate(self._pending):
-                self.ce += values[2 * j] * n.double()
-                self.correct += values[2 * j + 1].round().long()
-            self.extra = values[2 * len(self._pending):]
-        self._pending, self._staged = [], None
-
-    def merge(self, other: "_Sums") -> None:
-        self._read()
-        other._read()
-        self.ce += other.ce
-        self.walk += other.walk
-        self.correct += other.correct
-        self.counted += other.counted
-        self.tokens += other.tokens
-
-    def reduce(self, env: dist.DistEnv) -> None:
-        self._read()
-        packed = torch.cat([self.ce, self.correct.double(), self.counted.double(),
-                            torch.tensor([float(self.tokens)], dtype=torch.float64), self.walk.double()])
-        dist.all_reduce_sum(packed, env)
-        s = self.steps
-        self.ce = packed[:s]
-        self.correct = packed[s:2 * s].round().long()
-        self.counted = packed[2 * s:3 * s].round().long()
-        self.tokens = int(packed[3 * s].round())
-        self.walk = packed[3 * s + 1:].round().long()
-
-    def metrics(self, weights: Sequence[float], tau_k: int) -> dict[str, Any]:
-        self._read()
-        n = self.counted.clamp_min(1).double()
-        per_step_loss = (self.ce / n).tolist()
-        acc = (self.correct.double() / n).tolist()
-        return {
-            "loss": float(sum(w * l for w, l in zip(weights, per_step_loss))),
-            "per_step_loss": [round(x, 6) for x in per_step_loss],
-            "per_step_acc": [round(x, 6) for x in acc],
-            "sim_tau": round(tau_at(acc, len(acc)), 6),
-            "sim_tau_k": round(tau_at(acc, tau_k), 6),
-            **({"walk_tau_k": round(int(self.walk[0]) / int(self.walk[1]), 6)} if int(self.walk[1]) else {}),
-            "positions": int(self.counted[0]),
-            "tokens": self.tokens,
-        }
-
-
-@dataclass
-class _Launched:
-    """An optimizer step queued on the device, its metrics not yet read."""
-
-    sums: _Sums
-    counted: torch.Tensor  # [steps] loss positions of the global batch
-    pairs: int  # causal attention pairs of the global batch
-    lr: float
-    epoch: int
-    t0: float  # perf_counter when the host began to queue it
-    ahead: bool = False  # queued before the step before it was read
-
-
-# --------------------------------------------------------------------------------------------
-# Head folders (written and read by ``outrider.export``: the vLLM layout in float32 + ``outrider``)
-
-
-def _init_head_dir(path: str | Path) -> Path:
-    """A head folder, or a training output directory (its best ``head/``)."""
-    p = Path(path).expanduser()
-    if not (p / "config.json").exists() and (p / "head" / "config.json").exists():
-        return p / "head"
-    if not (p / "config.json").exists():
-        raise UserError(f"--init {p} is not an EAGLE-3 head folder (no config.json): give a head folder or the "
-                        "--out of an earlier training run")
-    return p
-
-
-# --------------------------------------------------------------------------------------------
-# Setup helpers
-
-
-def _choose_config(preset: str | None, config: TrainConfig | str | None, device: torch.device
-                   ) -> tuple[TrainConfig, str | None]:
-    if isinstance(config, TrainConfig):
-        if preset is not None and config != TrainConfig.preset(preset):
-            raise UserError("give either a preset or a TrainConfig, not both")
-        return config, preset
-    name = preset or ("full" if device.type == "cuda" else "quick")
-    base = TrainConfig.preset(name)
-    if config is None:
-        return base, name
-    p = Path(config).expanduser()
-    if not p.is_file():
-        raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
-    try:
-        overrides = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read the training config {p}: {e}") from None
-    if isinstance(overrides, dict) and isinstance(overrides.get("config"), dict):  # an earlier train_config.json
-        overrides = overrides["config"]
-    if not isinstance(overrides, dict):
-        raise UserError(f"the training config {p} must be a JSON object of settings")
-    merged = base.to_dict()
-    unknown = sorted(set(overrides) - set(merged))
-    if unknown:
-        raise UserError(f"unknown training setting(s) {', '.join(unknown)} in {p}: known ones are "
-                        f"{', '.join(sorted(merged))}")
-    merged.update(overrides)
-    return TrainConfig.from_dict(merged), name
-
-
-def _load_split(data: str, split: str, required: bool) -> TokenDataset | None:
-    manifest = read_manifest(data)
-    if split not in manifest.get("splits", {}) or manifest["splits"][split].get("examples", 0) == 0:
-        if required:
-            raise UserError(f"the dataset {data} has no {split} examples: build it with `outrider data` "
-                            "from conversations that have assistant turns")
-        return None
-    return load_dataset(data, split)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _peak_flops(device: torch.device) -> tuple[float | None, str]:
-    if device.type != "cuda":
-        return None, "MFU is reported on CUDA only"
-    name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return peak, f"peak {peak / 1e12:.0f} TFLOP/s bf16 ({name})"
-    return None, f"MFU skipped: the bf16 peak of '{name}' is not known"
-
-
-# On CUDA, batch widths are padded to a multiple of this: attention backends (cuDNN) build an
-# execution plan per shape, which cost ~30 ms of host time per new width and TTT step in a profile
-# of length-grouped batches (every batch a new width); 16 widths up to 1024 keep them cached.
-PAD_MULTIPLE_CUDA = 64
-
-
-class _Cursor:
-    """The data position: the next micro-batch is batch ``batch`` of epoch ``epoch`` (order seeded by
-    ``seed``); batches of ``batch_size`` sequences, or of ``batch_tokens`` padded tokens. Each
-    epoch's plan (``TokenDataset.global_batches``) is computed once, when the epoch starts."""
-
-    def __init__(self, ds: TokenDataset, cfg: TrainConfig, env: dist.DistEnv, seed: int, epoch: int = 0,
-                 batch: int = 0):
-        self.ds, self.cfg, self.env, self.seed = ds, cfg, env, seed
-        self.pad = PAD_MULTIPLE_CUDA if env.device.type == "cuda" else 1
-        self.epoch, self.batch = epoch, batch
-        self._plan = self._epoch_plan(epoch)
-
-    def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
-        cfg, w = self.cfg, self.env.world_size
-        return self.ds.global_batches(cfg.batch_size * w, self.seed, epoch, True, cfg.group_by_length,
-                                      cfg.batch_tokens * w, cfg.max_length, self.pad, w, cfg.min_batch_tokens * w)
-
-    def next(self) -> Batch:
-        if self.batch >= len(self._plan):
-            self.epoch, self.batch = self.epoch + 1, 0
-            self._plan = self._epoch_plan(self.epoch)
-        rows = self._plan[self.batch][self.env.rank::self.env.world_size]  # this rank's share
-        self.batch += 1
-        return self.ds.collate(rows, self.pad)
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed}
-
-
-def _cut(batch: Batch, max_length: int) -> Batch:
-    return Batch(batch.input_ids[:, :max_length], batch.attention_mask[:, :max_length],
-                 batch.loss_mask[:, :max_length], batch.indices)
-
-
-class _Bar:
-    """A rich progress bar with loss, step-0 accuracy, simulated tau and tokens/s; or nothing."""
-
-    def __init__(self, enabled: bool, total: int, done: int):
-        self._progress = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]} acc0 {task.fields[acc0]} tau {task.fields[tau]} "
-                           "{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=total, completed=done, loss="-", acc0="-",
-                                                 tau="-", tps="-")
-
-    def update(self, step: int, m: dict[str, Any], tps: float) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=f"{m['loss']:.3f}",
-                                  acc0=f"{m['per_step_acc'][0]:.2f}", tau=f"{m['sim_tau_k']:.2f}", tps=f"{tps:.0f}")
-
-    def log(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(text)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,14 +161,27 @@ class _Trainer:
         self.metrics_path = self.out / "metrics.jsonl"
         self.progress = progress and env.is_main
         self.notes: list[str] = []
+        self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
+        self._settings(preset, config, init, max_steps, aux_layer_ids)
+        self._load_data()  # before the target: a bad directory fails fast
+        self.model, tokenizer = self._load_target(loaded_target, dtype)
+        if tokenizer is not None:
+            self.train_ds.check_tokenizer(tokenizer)
+        self.embedding = self.model.get_input_embeddings()
+        self._build_head(init)
+        self._build_optimizer()
+        self._restore()
 
-        # -- settings: from the checkpoint when resuming, else preset / config / flags
-        self.resume_state: dict[str, Any] | None = None
-        if resume:
-            self.resume_state = self._read_state()
+    # -- setup pieces ---------------------------------------------------------------------------
+
+    def _settings(self, preset: str | None, config: TrainConfig | str | None, init: str | None,
+                  max_steps: int | None, aux_layer_ids: Sequence[int] | None) -> None:
+        """The run's settings: the checkpoint's when resuming, else preset / config / flags."""
+        env = self.env
+        if self.resume_state is not None:
             saved = TrainConfig.from_dict(self.resume_state["config"])
             if config is not None or preset is not None:
-                asked, _ = _choose_config(preset, config, env.device)
+                asked, _ = resolve_config(preset, config, env.device.type)
                 if asked.replace(aux_layer_ids=saved.aux_layer_ids) != saved:
                     raise UserError("--resume continues with the checkpoint's settings: drop --preset/--config, "
                                     "or train into a new --out")
@@ -552,7 +198,7 @@ class _Trainer:
             if (self.last_dir / "trainer_state.pt").exists():
                 raise UserError(f"{self.out} already holds a training run: pass --resume to continue it, "
                                 "or choose a new --out")
-            self.config, self.preset = _choose_config(preset, config, env.device)
+            self.config, self.preset = resolve_config(preset, config, env.device.type)
             if aux_layer_ids is not None:
                 self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids))
         cfg = self.config
@@ -561,9 +207,10 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-        # -- data (checked before the target is loaded: a bad directory fails fast)
-        self.train_ds = _load_split(self.data, "train", required=True)
-        self.eval_ds = _load_split(self.data, "eval", required=False)
+    def _load_data(self) -> None:
+        env, cfg = self.env, self.config
+        self.train_ds = load_split(self.data, "train", required=True)
+        self.eval_ds = load_split(self.data, "eval", required=False)
         tokens = cfg.batch_tokens > 0
         self.global_batch = 0 if tokens else cfg.batch_size * env.world_size * cfg.grad_accum
         self.global_batch_tokens = cfg.batch_tokens * env.world_size * cfg.grad_accum
@@ -573,22 +220,14 @@ class _Trainer:
                             f"{need} ({'one per process' if tokens else 'batch_size x processes'}): add data"
                             + ("" if tokens else " or lower batch_size"))
 
-        # -- the target, frozen
-        self.model, tokenizer = self._load_target(loaded_target, dtype)
-        if tokenizer is not None:
-            self.train_ds.check_tokenizer(tokenizer)
-        target_cfg = self.model.config
-        from outrider.models import arch_info
-
+    def _build_head(self, init: str | None) -> None:
+        """The draft vocabulary and the head: fresh, fine-tuned from ``init``, or the checkpoint's."""
+        cfg, target_cfg = self.config, self.model.config
         vocab_size = arch_info(target_cfg).vocab_size
-
-        # -- the draft vocabulary, and the head (fresh, fine-tuned or resumed)
         init_head = None
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
         if init is not None:
-            from outrider.heads.checkpoint import load_head
-
-            init_head, _ = load_head(_init_head_dir(init), target_config=target_cfg)
+            init_head, _ = load_head(checkpoint.init_head_dir(init), target_config=target_cfg)
             init_vocab = DraftVocab.from_mapping(init_head.d2t, init_head.t2d)
             size = init_vocab.draft_vocab_size
             if cfg.aux_layer_ids is not None and tuple(sorted(cfg.aux_layer_ids)) != init_head.config.aux_layer_ids:
@@ -614,7 +253,6 @@ class _Trainer:
                 raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
                                 "with the same --data, or train into a new --out")
             self.vocab = saved
-
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
         head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids)
@@ -634,9 +272,10 @@ class _Trainer:
             self._init_from_target()
         if self.resume_state is not None:
             self._load_head_weights(self.last_dir / "head")
-        self.head.to(env.device)
-        self.embedding = self.model.get_input_embeddings()
+        self.head.to(self.env.device)
 
+    def _build_optimizer(self) -> None:
+        env, cfg = self.env, self.config
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
@@ -650,20 +289,22 @@ class _Trainer:
             self.notes.append("triton cannot be imported: the loss ran torch.compile'd (loss_kernel 'compile')")
         self.flops_per_token_target = self._target_flops_per_token()
         self.head_params = sum(p.numel() for p in self.head.parameters())  # for the per-step FLOPs
-        self.peak, self.mfu_note = _peak_flops(env.device)
+        self.peak, self.mfu_note = peak_flops(env.device)
 
-        # -- state: fresh or resumed
+    def _restore(self) -> None:
+        """The run's position: fresh, or the checkpoint's (optimizer, schedule, data, sums)."""
+        env, cfg = self.env, self.config
         self.step, self.best_step, self.best_score = 0, 0, -math.inf
-        self.cursor = _Cursor(self.train_ds, cfg, env, cfg.seed)
+        self.cursor = BatchCursor(self.train_ds, cfg, env, cfg.seed)
         self.last_eval: dict[str, Any] = {}
-        self.window = _Sums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
+        self.window = StepSums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
         if self.resume_state is not None:
             s = self.resume_state
             self.optimizer.load_state_dict(s["optimizer"])
             self.scheduler.load_state_dict(s["scheduler"])
             self.step, self.best_step, self.best_score = int(s["step"]), int(s["best_step"]), float(s["best_score"])
             pos = s["position"]
-            self.cursor = _Cursor(self.train_ds, cfg, env, int(pos["seed"]), int(pos["epoch"]), int(pos["batch"]))
+            self.cursor = BatchCursor(self.train_ds, cfg, env, int(pos["seed"]), int(pos["epoch"]), int(pos["batch"]))
             self.last_eval = s.get("last_eval") or {}
             w = s["window"]
             self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
@@ -673,23 +314,7 @@ class _Trainer:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
 
-    # -- setup pieces ---------------------------------------------------------------------------
-
-    def _read_state(self) -> dict[str, Any]:
-        path = self.last_dir / "trainer_state.pt"
-        if not path.exists():
-            raise UserError(f"nothing to resume: {self.last_dir} holds no checkpoint; start without --resume")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except (OSError, RuntimeError, EOFError) as e:
-            raise UserError(f"cannot read the checkpoint {path}: {e}") from None
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise UserError(f"{path} is not an outrider training state")
-        return state
-
     def _load_target(self, loaded: Any, dtype: Any):
-        from outrider.models import load_model, load_tokenizer
-
         if loaded is None:
             model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype)
         else:
@@ -700,8 +325,6 @@ class _Trainer:
         return model.eval().requires_grad_(False), tokenizer
 
     def _load_head_weights(self, directory: Path) -> None:
-        from outrider.heads.checkpoint import load_head
-
         saved, saved_cfg = load_head(directory)
         if saved_cfg != self.head.config:
             raise UserError(f"the head in {directory} does not match this run's settings: train into a new --out")
@@ -759,10 +382,11 @@ class _Trainer:
             self._prepare_out()
         dist.barrier(env)
         objective = dist.wrap(self.objective(), env)
-        bar = _Bar(self.progress, self.stop_at, self.step)
+        bar = Bar(self.progress, "train", self.stop_at, completed=self.step,
+                  fields="loss {loss} acc0 {acc0} tau {tau} {tps} tok/s")
         train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
-            _set_rng_state(self.resume_state["rng"])
+            checkpoint.set_rng_state(self.resume_state["rng"])
         try:
             with self.target_capture() as capture:
                 self.capture = capture
@@ -777,7 +401,8 @@ class _Trainer:
                     if self.peak:
                         m["mfu"] = round((weights + attention) / (dt * self.peak * env.world_size), 5)
                         m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
-                    bar.update(self.step, m, m["tokens_per_s"])
+                    bar.update(self.step, loss=f"{m['loss']:.3f}", acc0=f"{m['per_step_acc'][0]:.2f}",
+                               tau=f"{m['sim_tau_k']:.2f}", tps=f"{m['tokens_per_s']:.0f}")
                     if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
                         self.stop_at = self.step + queued  # a step already queued is finished and counted
                         self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
@@ -818,11 +443,12 @@ class _Trainer:
             return over
         return float(dist.all_reduce_sum(torch.tensor([float(over)], device=self.env.device), self.env)[0]) > 0
 
-    def objective(self) -> "_Objective":
+    def objective(self) -> TTTModule:
         """The head and its TTT loss as the config sets them (kernels and attention on CUDA only)."""
         cfg, cuda = self.config, self.env.device.type == "cuda"
-        return _Objective(self.head, self.embedding, cfg.ttt_steps, self.fused, cuda and cfg.compile_head,
-                          cfg.ttt_attention if cuda else "dense")
+        return TTTModule(self.head, self.embedding, cfg.ttt_steps, weights=self.weights, reduction="sum",
+                         fused=self.fused, compile_head=cuda and cfg.compile_head,
+                         attention=cfg.ttt_attention if cuda else "dense")
 
     def target_capture(self) -> TargetCapture:
         """The target bound for capture, its graphs sized for the config's largest micro-batch."""
@@ -869,13 +495,13 @@ class _Trainer:
         """One optimizer step, queued and then read."""
         return self._finish_step(self._launch_step(objective))
 
-    def _launch_step(self, objective: nn.Module) -> _Launched:
+    def _launch_step(self, objective: nn.Module) -> Launched:
         """Queues one optimizer step. The loss positions are found on the host and travel with the
         batch, and the metrics start their way back behind the step: on one process with a graphed
         or dense target the host waits for nothing here (ranks exchange their counts first)."""
         env, cfg = self.env, self.config
         t0 = time.perf_counter()
-        micro = [_cut(self.cursor.next(), cfg.max_length) for _ in range(cfg.grad_accum)]
+        micro = [self.cursor.next().cut(cfg.max_length) for _ in range(cfg.grad_accum)]
         epoch = self.cursor.epoch  # the epoch of this step's last micro-batch, as the step reads it
         index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
         counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
@@ -884,7 +510,7 @@ class _Trainer:
         counted, pairs = both[:-1], int(both[-1])  # [steps], scalar
         scale = float(env.world_size)  # DDP averages gradients over ranks; the loss is a global mean
         weights = [w * scale / max(int(n), 1) for w, n in zip(self.weights, counted.tolist())]
-        sums = _Sums(cfg.ttt_steps)
+        sums = StepSums(cfg.ttt_steps)
         self.head.train()
         for j, (batch, ix) in enumerate(zip(micro, index)):
             tokens = int(batch.attention_mask.sum())
@@ -905,9 +531,9 @@ class _Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         sums.stage(grad_norm.reshape(1))
-        return _Launched(sums, counted, pairs, lr, epoch, t0)
+        return Launched(sums, counted, pairs, lr, epoch, t0)
 
-    def _finish_step(self, launched: _Launched) -> tuple[dict[str, Any], torch.Tensor]:
+    def _finish_step(self, launched: Launched) -> tuple[dict[str, Any], torch.Tensor]:
         """Reads a queued step's metrics (the host waits for that step only) and counts it."""
         sums = launched.sums
         sums.reduce(self.env)
@@ -924,11 +550,11 @@ class _Trainer:
         return m, launched.counted
 
     @torch.no_grad()
-    def _evaluate(self, bar: _Bar) -> None:
+    def _evaluate(self, bar: Bar) -> None:
         env, cfg = self.env, self.config
         if self.eval_ds is None:
             m = self.window.metrics(self.weights, cfg.tau_k)
-            self.window = _Sums(cfg.ttt_steps)
+            self.window = StepSums(cfg.ttt_steps)
             self._maybe_best(m, bar, source="train")
             return
         head = self.head.eval()
@@ -936,12 +562,12 @@ class _Trainer:
         lengths = self.eval_ds.lengths[:n]
         order = sorted(range(n), key=lambda i: (min(int(lengths[i]), cfg.max_length), i))  # less padding
         g = cfg.batch_size * env.world_size
-        sums = _Sums(cfg.ttt_steps)
+        sums = StepSums(cfg.ttt_steps)
         for start in range(0, n, g):
             idx = order[start: start + g][env.rank::env.world_size]
             if not idx:
                 continue
-            batch = _cut(self.eval_ds.collate(idx, self.cursor.pad), cfg.max_length).to(env.device)
+            batch = self.eval_ds.collate(idx, self.cursor.pad).cut(cfg.max_length).to(env.device)
             captured = self.capture(batch.input_ids, batch.attention_mask)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
@@ -954,7 +580,7 @@ class _Trainer:
         head.train()
         self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")
 
-    def _maybe_best(self, m: dict[str, Any], bar: _Bar, source: str) -> None:
+    def _maybe_best(self, m: dict[str, Any], bar: Bar, source: str) -> None:
         m = {"type": "eval", "source": source, "step": self.step, **m}
         better = m["sim_tau_k"] > self.best_score
         m["best"] = better
@@ -983,25 +609,10 @@ class _Trainer:
                 "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
             atomic_write_text(self.metrics_path, "")
         else:
-            self._cut_metrics(self.step)
-
-    def _cut_metrics(self, step: int) -> None:
-        """Keep the complete metric lines up to the checkpoint's step (a killed run may have logged past it)."""
-        kept = []
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
-                    kept.append(line)
-        atomic_write_text(self.metrics_path, "".join(k + "\n" for k in kept))
+            checkpoint.cut_metrics(self.metrics_path, self.step)
 
     def _log(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        checkpoint.append_metric(self.metrics_path, record)
 
     def _head_extra(self) -> dict[str, Any]:
         best = self.best_score if self.best_score > -math.inf else None
@@ -1010,8 +621,6 @@ class _Trainer:
                              "tau_k": self.config.tau_k, "data": self.data, "preset": self.preset}}
 
     def _save_head(self, directory: Path) -> None:
-        from outrider.heads.formats import save_head
-
         save_head(self.head, directory, target=self.target_name, extra=self._head_extra())
 
     def _checkpoint_head(self) -> None:
@@ -1021,21 +630,17 @@ class _Trainer:
         dist.barrier(self.env)
         if self.env.is_main:
             state = {
-                "format": STATE_FORMAT, "version": STATE_VERSION, "step": self.step,
+                "format": checkpoint.STATE_FORMAT, "version": checkpoint.STATE_VERSION, "step": self.step,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": _rng_state(), "position": self.cursor.state(), "config": self.config.to_dict(),
+                "rng": checkpoint.rng_state(), "position": self.cursor.state(), "config": self.config.to_dict(),
                 "preset": self.preset, "best_step": self.best_step, "best_score": self.best_score,
                 "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
                 "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(), "train_s": self.train_s,
                 "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
                            "tokens": self.window.tokens},
             }
-            with atomic_dir(self.last_dir) as tmp:
-                self._save_head(tmp / "head")
-                self.vocab.save(tmp)
-                torch.save(state, tmp / "trainer_state.pt")
-                readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
-                                                  "target", "data", "vocab_fingerprint")}
-                readable["best_sim_tau_k"] = self._head_extra()["training"]["sim_tau_k"]
-                (tmp / "trainer_state.json").write_text(json.dumps(readable, indent=2) + "\n")
+            readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
+                                              "target", "data", "vocab_fingerprint")}
+            readable["best_sim_tau_k"] = self._head_extra()["training"]["sim_tau_k"]
+            checkpoint.write_state(self.last_dir, state, self._save_head, self.vocab, readable)
         dist.barrier(self.env)

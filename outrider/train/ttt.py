@@ -337,10 +337,14 @@ class TTTModule(torch.nn.Module):
         self.compile_head, self.attention = compile_head, attention
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> TTTOutput:
+                attention_mask: torch.Tensor | None = None, weights: Sequence[float] | None = None,
+                index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TTTOutput:
+        # ``weights`` and ``index`` of this call (a trainer normalises each step by its global counts)
+        # take the place of the module's
         return ttt_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask,
-                        steps=self.steps, decay=self.decay, weights=self.weights, reduction=self.reduction,
-                        fused=self.fused, compile_head=self.compile_head, attention=self.attention)
+                        steps=self.steps, decay=self.decay, weights=self.weights if weights is None else list(weights),
+                        reduction=self.reduction, fused=self.fused, index=index, compile_head=self.compile_head,
+                        attention=self.attention)
 
 
 class Walk(NamedTuple):
