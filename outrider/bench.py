@@ -36,22 +36,20 @@ from outrider.decode.engine import (
 from outrider.decode.proposers.base import Proposer
 from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
-from outrider.fsutil import atomic_write_json
+from outrider.fsutil import write_json_output
 from outrider.progress import Bar
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
 
 
-def git_commit() -> str:
-    """The checkout's short commit (``OUTRIDER_COMMIT`` where the tree travels without .git)."""
-    if os.environ.get("OUTRIDER_COMMIT"):
-        return os.environ["OUTRIDER_COMMIT"]
+def git_commit() -> str | None:
+    """The checkout's short commit, or None outside a git checkout (an installed package)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+        return None
+    return out.stdout.strip() or None
 
 
 def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
@@ -205,7 +203,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
-          loaded: tuple | None = None, graphs: bool | None = None, compile: bool = False,
+          loaded: tuple | None = None, graphs: bool | None = None, compile: bool | str | None = None,
           engines: tuple[SpecEngine, SpecEngine] | None = None, repeats: int = 1,
           log: Callable[[str], None] | None = None, progress: bool = False) -> dict[str, Any]:
     """Measure ``method`` against autoregressive decoding on the same prompts; return one record.
@@ -216,7 +214,9 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     passes back to back; tokens/s and speedups are then medians over the pairs, step costs and
     acceptance are pooled, and ``lossless`` must hold in every pass. ``log`` receives a line as
     each phase ends (warm-ups, which compile and capture, and passes), with its seconds;
-    ``progress`` shows a bar on stderr over the timed batches of all passes.
+    ``progress`` shows a bar on stderr over the timed batches of all passes. ``graphs`` and
+    ``compile`` (None: on for CUDA, off elsewhere) choose the engine's fast path: steps replayed as
+    CUDA graphs, fused by ``torch.compile`` with static shapes first.
     """
     from outrider.models import load_model
 
@@ -232,6 +232,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     sampling = SamplingParams(temperature=temperature, seed=seed)
     eos = eos_token_ids(model, tokenizer)
     graphs = dev.type == "cuda" if graphs is None else graphs
+    compile = dev.type == "cuda" if compile is None else compile  # the fast path by default on CUDA
     if engines is not None:
         ar, spec = engines
         spec.k = k if spec.proposer is not None else 0
@@ -335,10 +336,10 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
         record["ar_vs_hf"] = (sum(map(len, ar_out)) / ar_s) / record["hf_tokens_per_s"]  # the interleaved pass
         record["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
-    if json_path:
-        atomic_write_json(json_path, [record])
     if console is not None:
         print_table([record], console)
+    if json_path:
+        write_json_output(json_path, [record])
     return record
 
 

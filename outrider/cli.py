@@ -14,6 +14,8 @@ from typing import Sequence
 
 from outrider.errors import UserError
 
+JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -22,10 +24,11 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
-def _console():
+def _console(json_path: str | None = None):
+    """Where a verb's tables go: standard output, or standard error when ``--json -`` takes it."""
     from rich.console import Console
 
-    return Console(stderr=False)
+    return Console(stderr=json_path == "-")
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
@@ -39,11 +42,13 @@ def cmd_pull(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from outrider.heads import inspect as compat
 
+    from outrider.fsutil import write_json_output
+
     report = compat.inspect(a.target, a.draft)
-    if a.json:
-        print(compat.to_json(report))
-    else:
+    if a.json != "-":
         compat.render(report, _console())
+    if a.json:
+        write_json_output(a.json, report.to_dict())
     return 0 if report.servable else 1
 
 
@@ -74,7 +79,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
-          device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(),
+          device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
           graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet)
     return 0
 
@@ -111,7 +116,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
     plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
          ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
-         plot_dir=a.plot, console=_console(), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
+         plot_dir=a.plot, console=_console(a.json), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
          routing_histogram=a.routing_histogram)
     return 0
 
@@ -149,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("inspect", help="architecture and target/draft compatibility report")
     sp.add_argument("target")
     sp.add_argument("--draft", default=None)
-    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
     sp.set_defaults(fn=cmd_inspect)
 
     sp = sub.add_parser("generate", help="generate text, speculatively or not")
@@ -172,12 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     sp.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                     help="do not replay steps as CUDA graphs (they are used on CUDA by default)")
-    sp.add_argument("--compile", action="store_true",
-                    help="fuse the target's step with torch.compile before capturing it (a minute or two of "
-                         "compilation; pays on GPUs, where the unfused step is launch-bound)")
+    sp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="fuse the target's step with torch.compile (static shapes) before capturing it: on by "
+                         "default on CUDA, where the unfused step is launch-bound (a minute or two of compilation); "
+                         "--no-compile for the eager step")
     sp.add_argument("--repeats", type=int, default=1,
                     help="measure this many (AR, method) pairs of passes; speeds are medians over the pairs")
-    sp.add_argument("--json", default=None, metavar="F", help="write the record(s) to this JSON file")
+    sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
     runtime(sp)
     sp.set_defaults(fn=cmd_bench)
@@ -247,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--weight-dtype", default=None, help="bf16 | fp8 | int4")
     sp.add_argument("--calibrate", default=None, help="bench JSON with measured step times")
     sp.add_argument("--context", type=int, default=2048)
-    sp.add_argument("--json", default=None, metavar="F")
+    sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
     sp.add_argument("--plot", default=None, metavar="DIR")
     sp.set_defaults(fn=cmd_plan)
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +41,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_json_output(path: str | os.PathLike, obj: Any) -> Path | None:
+    """What ``--json F`` means in every verb: write ``obj`` to the file F (atomically), or print it
+    to standard output when F is ``-``."""
+    if str(path) == "-":
+        sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+        return None
+    return atomic_write_json(path, obj)
 
 
 @contextlib.contextmanager

@@ -233,3 +233,17 @@ def test_render_prints_every_check(zoo):
     text = console.export_text()
     assert "acceptance unknown" in text and report.verdict in text
     assert text.count("pass") >= sum(c.status == PASS for c in report.checks)
+
+
+def test_json_flag_means_a_file_or_stdout_as_in_every_verb(zoo, tmp_path, capsys):
+    """``--json F`` writes the report to F (the table still printed); ``--json -`` prints the JSON
+    alone on standard output, as ``bench`` and ``plan`` do."""
+    from outrider.cli import main
+
+    out = tmp_path / "report.json"
+    code = main(["inspect", str(zoo["k25"]), "--draft", str(zoo["head"]), "--json", str(out)])
+    table = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["exit_code"] == code and "outrider inspect" in table
+    assert main(["inspect", str(zoo["k25"]), "--draft", str(zoo["head"]), "--json", "-"]) == code
+    assert json.loads(capsys.readouterr().out) == written

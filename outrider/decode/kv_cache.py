@@ -86,10 +86,10 @@ class SlotCache(Cache):
         self.ptr = 0  # first slot not yet written by a committed forward
         self.ptr_dev = torch.zeros((), dtype=torch.long, device=device)  # ptr at the last begin (static mode)
         self.n_pending = 0
-        self._arange = torch.arange(max_len, device=device)
+        self.arange = torch.arange(max_len, device=device)
         self._eye = torch.eye(64, dtype=torch.bool, device=device)  # new tokens per forward <= 64
         self._slot_bufs: dict[int, torch.Tensor] = {}
-        self.write_slots = self._arange[:0]
+        self.write_slots = self.arange[:0]
         self.read_len = max_len
 
     def begin(self, n: int) -> None:
@@ -101,10 +101,10 @@ class SlotCache(Cache):
             if buf is None:
                 buf = self._slot_bufs[n] = torch.arange(n, device=self.valid.device)
             self.ptr_dev.fill_(self.ptr)
-            torch.add(self._arange[:n], self.ptr_dev, out=buf)
+            torch.add(self.arange[:n], self.ptr_dev, out=buf)
             self.write_slots = buf
         else:
-            self.write_slots = self._arange[:n] + self.ptr
+            self.write_slots = self.arange[:n] + self.ptr
         self.read_len = self.max_len if self.static else self.ptr + n
         self.n_pending = n
 
@@ -119,7 +119,7 @@ class SlotCache(Cache):
         eye = self._eye[:n, :n] if n <= self._eye.shape[0] else torch.eye(n, dtype=torch.bool, device=new.device)
         new = new | eye  # a query always sees itself
         if self.static:  # slot arithmetic on the device: no host value enters (graph-capturable)
-            rel = self._arange - self.ptr_dev  # [max_len] slot index relative to the first new slot
+            rel = self.arange - self.ptr_dev  # [max_len] slot index relative to the first new slot
             inside = (rel >= 0) & (rel < n)
             cols = new.index_select(2, rel.clamp(0, n - 1))  # [batch, n, max_len]
             # committed slots of the row elsewhere; every slot >= ptr is invalid for every row

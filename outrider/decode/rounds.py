@@ -112,9 +112,9 @@ class DeviceRounds:
         """Verify, commit and record one round: (num, n_acc, tokens, aux) for ``_draft``."""
         cache, k = self.target.cache, self.k
         slots = cache.write_slots  # the persistent width-(k+1) slot buffer of begin(k+1)
-        torch.add(cache._arange[:k + 1], cache.ptr_dev, out=slots)
+        torch.add(cache.arange[:k + 1], cache.ptr_dev, out=slots)
         ids = torch.cat([self.last[:, None], self.draft], dim=1)  # [batch, k+1]
-        logits, aux = self.target._body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
+        logits, aux = self.target.step_body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
         num, n_acc, tokens = self._accept(logits, self.draft, self.active, self._positions, slots, cache.valid,
                                           cache.lengths, cache.ptr_dev, self.records, self.counter, self.last)
         return num, n_acc, tokens, aux

@@ -80,7 +80,7 @@ def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, ma
 def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
     B, n = ids.shape  # ids: [batch, n]
-    positions = lm.cache.lengths[:, None] + lm.cache._arange[:n]  # [batch, n]
+    positions = lm.cache.lengths[:, None] + lm.cache.arange[:n]  # [batch, n]
     query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
     mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device), lm.dtype)
     return _prefill_step(lm, ids, positions, mask, None)  # [batch, n, vocab], aux
@@ -160,7 +160,7 @@ class CachedLM:
         fused_prefill = self.compile_options is not None and compile_prefill
         self._prefill_fn = _compiled_prefill(self.compile_options) if fused_prefill else _prefill_step
 
-    def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plain step over reserved slots, eager or compiled: (logits, aux)."""
         with self._hooks():
             return self._step_fn(self, ids)
@@ -189,7 +189,7 @@ class CachedLM:
         if plain:  # the decode / verify step: positions follow the rows' lengths, causal new tokens
             if self.graphs:
                 return self._replay(ids)
-            logits, self.aux = self._body(ids)
+            logits, self.aux = self.step_body(ids)
             return logits
         if self._prefill_graphed(ids, positions, query_valid, new_mask, logits_at):
             return self._replay_prefill(ids, query_valid, logits_at)
@@ -272,7 +272,7 @@ class CachedLM:
     def _capture(self, ids: torch.Tensor) -> tuple:
         s_ids = ids.clone()
         # warm-up (and compilation) writes only into reserved, not yet valid slots
-        graph, (logits, aux) = self._capture_fn(lambda: self._body(s_ids))
+        graph, (logits, aux) = self._capture_fn(lambda: self.step_body(s_ids))
         return graph, s_ids, logits, aux
 
     @torch.no_grad()
@@ -316,8 +316,8 @@ class CachedLM:
         slots = cache.write_slots  # the persistent width-1 slot buffer of begin(1)
 
         def step():
-            torch.add(cache._arange[:1], cache.ptr_dev, out=slots)
-            logits, _ = self._body(s_tok)  # [batch, 1, vocab]
+            torch.add(cache.arange[:1], cache.ptr_dev, out=slots)
+            logits, _ = self.step_body(s_tok)  # [batch, 1, vocab]
             tok = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
             s_tok.copy_(tok)
             out.index_copy_(1, counter, tok)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_write_json
+from outrider.fsutil import write_json_output
 from outrider.models import ArchInfo, arch_info, load_config_dict
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.calibrate import Calibration, calibrate_measured
@@ -320,7 +320,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
 
     _print(result, shape, console)
     if json_path is not None:
-        atomic_write_json(json_path, result.rows)
+        write_json_output(json_path, result.rows)
     if plot_dir is not None:
         from outrider.plan.plot import plot_plan
 
