@@ -63,6 +63,8 @@ class TrainConfig:
     save_every: int = 100  # optimizer steps between checkpoints of the full state (and at the end)
     log_every: int = 1  # optimizer steps between lines of metrics.jsonl
     init_from_target: bool = False  # start lm_head (draft rows) and the final norm from the target's
+    init_layer_from_target: bool = False  # start the draft layer from the target's last decoder layer (and fc
+    # passing the last aux state through); needs the head's layer shapes to be the target's
     seed: int = 0  # head initialisation and data order
     amp: bool = True  # bf16 autocast of the head on CUDA (ignored on CPU, which trains in float32)
     compile: bool = True  # on CUDA, the TTT loss runs in fused kernels (ignored on CPU)

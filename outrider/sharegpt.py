@@ -228,3 +228,30 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
             seen.add(value)
             prompts.append(value)
     return prompts
+
+
+def training_exchanges(corpus: ShareGPT, first: int, later: int = 0) -> list[dict[str, Any]]:
+    """Short training-split conversations for regeneration: ``first`` first exchanges (a user turn
+    and its reply), then ``later`` exchanges from further in: the first two exchanges of
+    conversations that have them (the second reply learnt after the first), or the first exchange
+    of a conversation part that opens with a reply (its earlier turns are in another part). Held-out
+    conversations, and those opening with a held-out prompt, are never taken (``held_out_filter``).
+    Regenerating a whole conversation costs one generation per reply: exchanges keep that small."""
+    held = held_out_filter(corpus)
+    firsts, laters = [], []
+    for conv in corpus.conversations:
+        turns = conv.get("conversations") or []
+        who = [t.get("from") if isinstance(t, dict) else None for t in turns]
+        if held(conv) or len(turns) < 2:
+            continue
+        if who[:1] == ["human"] and len(firsts) < first:
+            firsts.append({"id": conv["id"], "conversations": turns[:2]})
+        if len(laters) >= later:
+            continue
+        if who[:4] == ["human", "gpt", "human", "gpt"]:
+            laters.append({"id": f"{conv['id']}#2", "conversations": turns[:4]})
+        elif who[:1] == ["gpt"] and "human" in who:
+            i = who.index("human")
+            if who[i + 1:i + 2] == ["gpt"]:
+                laters.append({"id": f"{conv['id']}#p", "conversations": turns[i:i + 2]})
+    return firsts + laters

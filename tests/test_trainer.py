@@ -389,3 +389,30 @@ def test_time_budget_ends_the_run_with_a_head(env, tmp_path):
     assert (out / "head" / "model.safetensors").is_file() and (out / "last").is_dir()
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if r["type"] == "eval"] == [1]
+
+
+def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
+    """``init_layer_from_target``: before any update the head's step on (embedding e, aux states)
+    equals the target's last decoder layer applied to the last aux state (the embedding half of
+    the projections is zero, fc passes the last aux state through)."""
+    from outrider.train import dist
+    from outrider.train.trainer import _Trainer
+
+    cfg = CFG.replace(init_layer_from_target=True)
+    tr = _Trainer(dist.init_from_env("cpu"), env["target"], env["data"], str(tmp_path / "run"), None, cfg, None,
+                  False, None, None, None, False, None)
+    model, head = tr.model, tr.head
+    ids = torch.tensor([[5, 17, 23, 42, 8, 61]])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[j] for j in head.config.aux_layer_ids], dim=-1)  # [1, 6, 3H]
+        h = head.fuse(aux)
+        assert torch.equal(h, states[head.config.aux_layer_ids[-1]])
+        positions = torch.arange(ids.shape[1])[None]
+        ours = head.forward_hidden(head.embed(ids) if head._embedding else model.get_input_embeddings()(ids), h,
+                                   positions)
+        rotary = model.model.rotary_emb(h, positions)
+        theirs = model.model.layers[-1](h, attention_mask=None, position_ids=positions,
+                                        position_embeddings=rotary)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

@@ -268,8 +268,11 @@ class _Trainer:
         self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
         if init_head is not None:
             self.head.load_state_dict(init_head.state_dict())
-        elif cfg.init_from_target:
-            self._init_from_target()
+        else:
+            if cfg.init_from_target:
+                self._init_from_target()
+            if cfg.init_layer_from_target:
+                self._init_layer_from_target()
         if self.resume_state is not None:
             self._load_head_weights(self.last_dir / "head")
         self.head.to(self.env.device)
@@ -345,6 +348,37 @@ class _Trainer:
         weight = getattr(norm, "weight", None)
         if weight is not None and tuple(weight.shape) == tuple(self.head.norm.weight.shape):
             self.head.norm.weight.copy_(weight.detach().float().cpu())
+
+    @torch.no_grad()
+    def _init_layer_from_target(self) -> None:
+        """The draft layer <- the target's last decoder layer; ``fc`` <- the last aux state passed through.
+
+        The layer's projections read ``[input_layernorm(e); hidden_norm(h)]``: the hidden half gets
+        the target layer's weights, the embedding half starts at zero, so that at step 0 the head
+        computes the target's last layer on its last aux state. Shapes that differ are a one-line error.
+        """
+        layer = self.model.get_decoder().layers[-1]
+        mid, H = self.head.midlayer, self.head.config.hidden_size
+        pairs = [(mid.mlp.gate_proj, layer.mlp.gate_proj), (mid.mlp.up_proj, layer.mlp.up_proj),
+                 (mid.mlp.down_proj, layer.mlp.down_proj), (mid.self_attn.o_proj, layer.self_attn.o_proj),
+                 (mid.post_attention_layernorm, layer.post_attention_layernorm),
+                 (mid.hidden_norm, layer.input_layernorm)]
+        projections = [(getattr(mid.self_attn, n), getattr(layer.self_attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")]
+        bad = [n for (ours, theirs), n in zip(pairs, ("gate", "up", "down", "o", "post norm", "norm"))
+               if theirs is None or ours.weight.shape != theirs.weight.shape]
+        bad += [n for (ours, theirs), n in zip(projections, "qkv")
+                if theirs is None or ours.weight.shape != (theirs.weight.shape[0], 2 * theirs.weight.shape[1])]
+        if bad or self.head.config.target_hidden_size != H:
+            raise UserError(f"init_layer_from_target: the head's layer does not have the target's last layer's shapes "
+                            f"({', '.join(bad) or 'hidden size'}): train without it")
+        for ours, theirs in pairs:
+            ours.weight.copy_(theirs.weight.float())
+        for ours, theirs in projections:
+            ours.weight.zero_()
+            ours.weight[:, H:].copy_(theirs.weight.float())  # the hidden half; the embedding half stays 0
+        fc = self.head.fc.weight  # [H, 3 H_t]: pass the last aux state through
+        fc.zero_()
+        fc[:, 2 * H:].copy_(torch.eye(H))
 
     @staticmethod
     def _check_init_fits(have: Eagle3Config, want: Eagle3Config) -> None:

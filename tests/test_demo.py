@@ -1,0 +1,47 @@
+"""The demo's choices: the chain length it picks from a measured record, and the CPU summary's
+explanation, which states the measured cost ratios and the planner's GPU prediction."""
+
+import json
+
+from outrider import sharegpt
+from outrider.demo import choose_k, cpu_explanation
+
+
+def _record(rates, verify_ms, draft_ms, k=5):
+    return {"method": "eagle3", "k": k, "accept_rate_per_pos": rates, "verify_step_ms": verify_ms,
+            "draft_step_ms": draft_ms, "ar_step_ms": 1.0, "tau": 1 + sum(rates)}
+
+
+def test_choose_k_weighs_acceptance_against_the_drafting_cost():
+    # drafting free, acceptance high: the longest chain considered wins
+    assert choose_k(_record([0.9] * 5, verify_ms=1.0, draft_ms=1e-6)) == 8
+    # each draft step as dear as a verification, acceptance poor: one or two drafts at most
+    assert choose_k(_record([0.3, 0.2, 0.1, 0.1, 0.1], verify_ms=1.0, draft_ms=5.0)) == 2
+    # a record without step costs keeps its own k
+    assert choose_k({"k": 4, "accept_rate_per_pos": [0.5] * 4}) == 4
+
+
+def test_cpu_explanation_states_the_measured_ratios_and_a_gpu_prediction(tmp_path):
+    rec = _record([0.2, 0.05, 0.01, 0.0, 0.0], verify_ms=2.5, draft_ms=1.5)
+    rec.update(ar_tokens_per_s=10.0, tokens_per_s=5.0, speedup_vs_ar=0.5, num_prompts=6, new_tokens=100,
+               lossless=True, device="cpu", dtype="float32", batch_size=1)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([rec]))
+    text = "\n".join(cpu_explanation(rec, path))
+    assert "costs 2.5x a plain decoding step" in text and "another 1.5x" in text
+    assert "The planner predicts" in text and "H200" in text
+
+
+def test_training_exchanges_hold_out_benchmark_prompts(tmp_path):
+    held_id = next(f"h{i}" for i in range(1000) if sharegpt.heldout(f"h{i}"))
+    kept_id = next(f"k{i}" for i in range(1000) if not sharegpt.heldout(f"k{i}"))
+    turns = [{"from": "human", "value": "a benchmark prompt"}, {"from": "gpt", "value": "a reply"},
+             {"from": "human", "value": "more"}, {"from": "gpt", "value": "another"}]
+    corpus = sharegpt.ShareGPT(path=tmp_path / "sharegpt.json", conversations=[
+        {"id": held_id, "conversations": turns},
+        {"id": kept_id, "conversations": turns},  # opens with the held-out prompt: held out too
+        {"id": kept_id + "x", "conversations": [{"from": "human", "value": "fresh"}] + turns[1:]},
+    ], complete=3, truncated=False, dropped_bytes=0, dropped_records=0, note="")
+    out = sharegpt.training_exchanges(corpus, first=5, later=5)
+    assert [r["id"] for r in out] == [kept_id + "x", kept_id + "x#2"]
+    assert [len(r["conversations"]) for r in out] == [2, 4]
