@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import statistics
 import subprocess
 import time

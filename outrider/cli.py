@@ -40,9 +40,8 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from outrider.heads import inspect as compat
-
     from outrider.fsutil import write_json_output
+    from outrider.heads import inspect as compat
 
     report = compat.inspect(a.target, a.draft)
     if a.json != "-":
