@@ -17,59 +17,11 @@ roughly so). The share of steady steps queued ahead is printed too.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import statistics
 from pathlib import Path
 
-BUCKETS = (0, 8_000, 10_000, 12_000, 14_000, 20_000, 30_000)
-
-
-def _time(r: dict) -> float:
-    return r["tokens"] / r["tokens_per_s"]
-
-
-def _weighted(rows: list[dict], key: str) -> float:
-    total = sum(_time(r) for r in rows)
-    return sum(r.get(key, 0.0) * _time(r) for r in rows) / total if total else 0.0
-
-
-def summarise(path: str | Path, after: int = 100) -> dict:
-    raw = Path(path).read_bytes()
-    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
-    rows = [json.loads(x) for x in text.splitlines() if x.strip()]
-    train = [r for r in rows if r.get("type") == "train"]
-    if len(train) <= after:
-        raise SystemExit(f"{path}: {len(train)} training steps, not more than --after {after}")
-    steady = train[after:]
-    out = {
-        "file": str(path), "steps": len(train), "step_time_s": round(sum(_time(r) for r in train), 1),
-        "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in train)),
-        "median_mfu": round(statistics.median(r.get("mfu", 0.0) for r in train), 4),
-        "median_mfu_weights": round(statistics.median(r.get("mfu_weights", r.get("mfu", 0.0)) for r in train), 4),
-        "share_at_20pct": round(sum(r.get("mfu", 0.0) >= 0.2 for r in train) / len(train), 3),
-        "median_tokens_per_step": round(statistics.median(r["tokens"] for r in train)),
-        "steady": {"after_step": after, "time_s": round(sum(_time(r) for r in steady), 1),
-                   "mfu": round(_weighted(steady, "mfu"), 5),
-                   "tokens_per_s": round(sum(r["tokens"] for r in steady) / sum(_time(r) for r in steady)),
-                   "ahead_share": round(sum(bool(r.get("ahead")) for r in steady) / len(steady), 3)},
-        "by_tokens": [], "evals": [],
-    }
-    edges = list(BUCKETS) + [float("inf")]
-    for lo, hi in zip(edges, edges[1:]):
-        part = [r for r in steady if lo <= r["tokens"] < hi]
-        if part:
-            out["by_tokens"].append({"from": lo, "to": None if hi == float("inf") else hi, "steps": len(part),
-                                     "mfu": round(_weighted(part, "mfu"), 5),
-                                     "median_ms": round(1e3 * statistics.median(_time(r) for r in part), 1)})
-    seen = 0
-    for r in rows:
-        if r.get("type") == "train":
-            seen += r["tokens"]
-        elif r.get("type") == "eval":
-            out["evals"].append({"step": r["step"], "tokens_m": round(seen / 1e6, 1), "sim_tau": r.get("sim_tau_k"),
-                                 "walk_tau": r.get("walk_tau_k"), "acc0": (r.get("per_step_acc") or [None])[0]})
-    return out
+from outrider.errors import UserError
+from outrider.train.metrics import summarise_log
 
 
 def _print(s: dict) -> None:
@@ -94,7 +46,10 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=100, help="steps left out of the steady figures")
     ap.add_argument("--json", default=None, help="also write the summaries here")
     a = ap.parse_args()
-    out = [summarise(p, a.after) for p in a.metrics]
+    try:
+        out = [summarise_log(p, a.after) for p in a.metrics]
+    except UserError as e:
+        raise SystemExit(str(e)) from None
     for s in out:
         _print(s)
     if a.json:

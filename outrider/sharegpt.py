@@ -255,3 +255,19 @@ def training_exchanges(corpus: ShareGPT, first: int, later: int = 0) -> list[dic
             if who[i + 1:i + 2] == ["gpt"]:
                 laters.append({"id": f"{conv['id']}#p", "conversations": turns[i:i + 2]})
     return firsts + laters
+
+
+def deeper_exchanges(corpus: ShareGPT, exchanges: Iterable[int] = (3, 4, 5)) -> list[dict[str, Any]]:
+    """Training-split exchanges deeper in a conversation: for each n in ``exchanges``, the first 2n
+    turns of every conversation whose first 2n turns alternate human, gpt (regeneration replaces
+    every reply in order, each the context of the next)."""
+    held = held_out_filter(corpus.conversations)
+    out = []
+    for n in exchanges:
+        for conv in corpus.conversations:
+            turns = conv.get("conversations") or []
+            if held(conv) or len(turns) < 2 * n:
+                continue
+            if all(t.get("from") == ("human", "gpt")[i % 2] for i, t in enumerate(turns[:2 * n])):
+                out.append({"id": f"{conv['id']}#{n}", "conversations": turns[:2 * n]})
+    return out

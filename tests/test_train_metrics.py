@@ -1,18 +1,15 @@
-"""``benchmarks/train_metrics.py``: the figures RESULTS.md quotes for a training run, on a known file."""
+"""``metrics.summarise_log``: the figures RESULTS.md quotes for a training run, on a known file."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "train_metrics", Path(__file__).resolve().parents[1] / "benchmarks" / "train_metrics.py")
-train_metrics = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(train_metrics)
+from outrider.errors import UserError
+from outrider.train.metrics import summarise_log
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -26,7 +23,7 @@ def test_steady_mfu_is_weighted_by_step_time(tmp_path):
             {"type": "train", "step": 2, "tokens": 9000, "tokens_per_s": 90000.0, "mfu": 0.2, "mfu_weights": 0.19},
             {"type": "eval", "step": 2, "sim_tau_k": 2.5, "walk_tau_k": 2.4, "per_step_acc": [0.6, 0.5]},
             {"type": "train", "step": 3, "tokens": 36000, "tokens_per_s": 120000.0, "mfu": 0.1, "mfu_weights": 0.09}]
-    s = train_metrics.summarise(_write(tmp_path / "m.jsonl", rows), after=1)
+    s = summarise_log(_write(tmp_path / "m.jsonl", rows), after=1)
     assert s["steps"] == 3 and s["median_tokens_per_s"] == 90000 and s["median_mfu"] == 0.1
     assert s["median_mfu_weights"] == 0.09 and s["step_time_s"] == 100.4
     assert s["steady"]["time_s"] == 0.4 and s["steady"]["mfu"] == pytest.approx((0.2 * 0.1 + 0.1 * 0.3) / 0.4)
@@ -36,10 +33,10 @@ def test_steady_mfu_is_weighted_by_step_time(tmp_path):
     assert s["evals"] == [{"step": 2, "tokens_m": 0.1, "sim_tau": 2.5, "walk_tau": 2.4, "acc0": 0.6}]
     json.loads(json.dumps(s, allow_nan=False))  # plain JSON: no Infinity
     assert s["steady"]["ahead_share"] == 0.0
-    with pytest.raises(SystemExit, match="not more than --after 3"):
-        train_metrics.summarise(tmp_path / "m.jsonl", after=3)
+    with pytest.raises(UserError, match="not more than --after 3"):
+        summarise_log(tmp_path / "m.jsonl", after=3)
     # a gzipped copy reads the same; the steps queued ahead are counted
     rows[-1]["ahead"] = True
     (tmp_path / "m.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
-    z = train_metrics.summarise(tmp_path / "m.jsonl.gz", after=1)
+    z = summarise_log(tmp_path / "m.jsonl.gz", after=1)
     assert z["steady"]["ahead_share"] == 0.5 and z["steady"]["mfu"] == s["steady"]["mfu"]

@@ -6,18 +6,24 @@ round trip behind the work they belong to (``HostCopy``: pinned memory and an ev
 does not wait for steps queued after it); ``reduce`` sums them over ranks. ``metrics`` gives the
 loss, per-step accuracy and the simulated acceptance length ``tau_at`` (a chain of k drafts
 yields ``1 + sum_{j<=k} prod_{i<=j} acc_i`` tokens per round). ``TrainReport`` is what ``train``
-returns and prints. ``peak_flops`` names the bf16 peak MFU is counted against.
+returns and prints. ``peak_flops`` names the bf16 peak MFU is counted against. ``summarise_log`` reads a run's
+``metrics.jsonl`` back into the figures RESULTS.md reports (``benchmarks/train_metrics.py`` prints them).
 
 Not done here: logging to files (``checkpoint``), the FLOPs themselves (``flops``).
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from outrider.errors import UserError
 from outrider.train import dist
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
@@ -202,3 +208,57 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
         if key in name:
             return peak, f"peak {peak / 1e12:.0f} TFLOP/s bf16 ({name})"
     return None, f"MFU skipped: the bf16 peak of '{name}' is not known"
+
+
+# A step's time is its tokens over its tokens/s, as the trainer measured it (from the end of the step
+# before as the host saw it): with steps queued ahead the time-weighted steady figure is the sound one.
+BUCKETS = (0, 8_000, 10_000, 12_000, 14_000, 20_000, 30_000)
+
+
+def _time(r: dict) -> float:
+    return r["tokens"] / r["tokens_per_s"]
+
+
+def _weighted(rows: list[dict], key: str) -> float:
+    total = sum(_time(r) for r in rows)
+    return sum(r.get(key, 0.0) * _time(r) for r in rows) / total if total else 0.0
+
+
+def summarise_log(path: str | Path, after: int = 100) -> dict:
+    """A ``metrics.jsonl`` (or ``.gz``) in figures: the median step, the steady steps after ``after``
+    (MFU weighted by each step's time), the steady steps by tokens per step, the evaluations."""
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    rows = [json.loads(x) for x in text.splitlines() if x.strip()]
+    train = [r for r in rows if r.get("type") == "train"]
+    if len(train) <= after:
+        raise UserError(f"{path}: {len(train)} training steps, not more than --after {after}")
+    steady = train[after:]
+    out = {
+        "file": str(path), "steps": len(train), "step_time_s": round(sum(_time(r) for r in train), 1),
+        "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in train)),
+        "median_mfu": round(statistics.median(r.get("mfu", 0.0) for r in train), 4),
+        "median_mfu_weights": round(statistics.median(r.get("mfu_weights", r.get("mfu", 0.0)) for r in train), 4),
+        "share_at_20pct": round(sum(r.get("mfu", 0.0) >= 0.2 for r in train) / len(train), 3),
+        "median_tokens_per_step": round(statistics.median(r["tokens"] for r in train)),
+        "steady": {"after_step": after, "time_s": round(sum(_time(r) for r in steady), 1),
+                   "mfu": round(_weighted(steady, "mfu"), 5),
+                   "tokens_per_s": round(sum(r["tokens"] for r in steady) / sum(_time(r) for r in steady)),
+                   "ahead_share": round(sum(bool(r.get("ahead")) for r in steady) / len(steady), 3)},
+        "by_tokens": [], "evals": [],
+    }
+    edges = list(BUCKETS) + [float("inf")]
+    for lo, hi in zip(edges, edges[1:]):
+        part = [r for r in steady if lo <= r["tokens"] < hi]
+        if part:
+            out["by_tokens"].append({"from": lo, "to": None if hi == float("inf") else hi, "steps": len(part),
+                                     "mfu": round(_weighted(part, "mfu"), 5),
+                                     "median_ms": round(1e3 * statistics.median(_time(r) for r in part), 1)})
+    seen = 0
+    for r in rows:
+        if r.get("type") == "train":
+            seen += r["tokens"]
+        elif r.get("type") == "eval":
+            out["evals"].append({"step": r["step"], "tokens_m": round(seen / 1e6, 1), "sim_tau": r.get("sim_tau_k"),
+                                 "walk_tau": r.get("walk_tau_k"), "acc0": (r.get("per_step_acc") or [None])[0]})
+    return out

@@ -1,17 +1,10 @@
-"""``benchmarks/device_prep.py``: which deeper exchanges of the training split go to the device."""
+"""``sharegpt.deeper_exchanges``: which deeper exchanges of the training split are regenerated."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-from outrider.sharegpt import heldout
-
-_SPEC = importlib.util.spec_from_file_location(
-    "device_prep", Path(__file__).resolve().parents[1] / "benchmarks" / "device_prep.py")
-device_prep = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(device_prep)
+from outrider.sharegpt import deeper_exchanges, heldout
 
 
 def _ids(want_heldout: bool, n: int) -> list[str]:
@@ -34,7 +27,7 @@ def test_deeper_exchanges_take_the_first_2n_alternating_turns_of_the_training_sp
         {"id": held, "conversations": _turns("hghghghg", "a held-out prompt")},  # held out: never
         {"id": d, "conversations": _turns("hghghghg", "A held-out  prompt")},  # opens with it: never
     ])
-    out = device_prep.deeper_exchanges(sharegpt)
+    out = deeper_exchanges(sharegpt)
     assert [r["id"] for r in out] == [f"{a}#3", f"{c}#3", f"{a}#4", f"{a}#5"]
     for r in out:
         n = int(r["id"].split("#")[1])
