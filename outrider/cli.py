@@ -85,7 +85,8 @@ def cmd_data(a: argparse.Namespace) -> int:
     report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
                            max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
                            server_model=a.server_model, concurrency=a.concurrency,
-                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet)
+                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet,
+                           device_map=a.device_map, offload_folder=a.offload_folder)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -130,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     def runtime(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         sp.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+
+    def placement(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--device-map", default=None, metavar="M",
+                        help="place the target through accelerate: auto | balanced | a JSON object or file "
+                             '{"module": device} (GPU index, "cpu", "disk")')
+        sp.add_argument("--offload-folder", default=None, metavar="DIR",
+                        help="where --device-map offloads weights to disk (default: a temporary folder)")
 
     def decoding(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--method", default="ar", help="ar | ngram | draft | eagle3")
@@ -198,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0,
                     help="with --regenerate: sample the target's replies at this temperature (0: greedy)")
     sp.add_argument("--quiet", action="store_true")
+    placement(sp)
     sp.set_defaults(fn=cmd_data)
 
     sp = sub.add_parser("train", help="train an EAGLE-3 head")
@@ -217,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
+    placement(sp)
     sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("export", help="servable checkpoint + launch commands")

@@ -14,8 +14,9 @@ Contract:
     config has one). Row ``t`` is the target's prediction of token ``t+1``. Consumers
     renormalise over the draft vocabulary (``log_softmax``), as ``outrider.train.ttt`` does.
   Full-vocabulary logits are never computed: the decoder runs without its ``lm_head``.
-- Both tensors are in the target's dtype and on its device. Nothing goes to disk; the target
-  stays in memory and the hooks stay attached until ``close()``.
+- Both tensors are in the target's dtype and on its device (``device``, for a target placed
+  across devices by accelerate). Nothing goes to disk; the target stays in memory and the hooks
+  stay attached until ``close()``.
 - Padding: ``attention_mask`` [batch, seq] (1 = real token) is passed through, with position
   ids counted over the real tokens (so left and right padding both work). Values at padded
   positions are meaningless and must be masked by the consumer.
@@ -43,7 +44,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider.decode.graphs import capture_graph, graphable
-from outrider.models import AuxCapture
+from outrider.models import AuxCapture, is_dispatched, resident_weight
 
 
 @dataclass
@@ -69,19 +70,22 @@ class TargetCapture:
     """A frozen target bound for capture; call it on batches, ``close()`` it when done."""
 
     def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any,
-                 graphs: bool = False, max_tokens: int = 0):
+                 graphs: bool = False, max_tokens: int = 0, device: torch.device | str | None = None):
         # draft_ids: [draft_vocab] target ids (or a ``DraftVocab``, whose ``draft_ids`` are used)
+        # device: where the outputs go (default: lm_head's; a target placed by accelerate: give it)
         self.target = target.eval().requires_grad_(False)
         self.decoder = target.get_decoder()
         self.aux_capture = AuxCapture(target, aux_layer_ids)
         lm_head = target.get_output_embeddings()
-        ids = torch.as_tensor(getattr(draft_ids, "draft_ids", draft_ids), dtype=torch.long,
-                              device=lm_head.weight.device)
-        self.weight = lm_head.weight.detach().index_select(0, ids)  # [draft_vocab, H_t]
+        weight = resident_weight(lm_head)  # offloaded by accelerate: its CPU copy
+        device = torch.device(device) if device is not None else weight.device
+        ids = torch.as_tensor(getattr(draft_ids, "draft_ids", draft_ids), dtype=torch.long, device=weight.device)
+        self.weight = weight.detach().index_select(0, ids).to(device)  # [draft_vocab, H_t]
         bias = getattr(lm_head, "bias", None)
-        self.bias = None if bias is None else bias.detach().index_select(0, ids)  # [draft_vocab]
+        self.bias = None if bias is None else resident_weight(lm_head, "bias").detach().index_select(0, ids).to(device)
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
-        self.graphs = bool(graphs) and max_tokens > 0 and self.weight.is_cuda and graphable(target)
+        self.graphs = (bool(graphs) and max_tokens > 0 and self.weight.is_cuda and graphable(target)
+                       and not is_dispatched(target))
         self.max_tokens = max_tokens
         self.notes: list[str] = []
         self._graphs: dict[tuple[int, int], tuple] = {}  # (batch, seq) -> graph, its inputs, its outputs
@@ -116,8 +120,8 @@ class TargetCapture:
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.decoder(input_ids=input_ids, attention_mask=self._additive_mask(attention_mask),
                            position_ids=real_positions(attention_mask), use_cache=False)
-        final = out.last_hidden_state  # [batch, seq, H_t], after the final norm
-        aux = self.aux_capture.concat()  # [batch, seq, 3*H_t]
+        final = out.last_hidden_state.to(self.weight.device)  # [batch, seq, H_t], after the final norm
+        aux = self.aux_capture.concat().to(self.weight.device)  # [batch, seq, 3*H_t]
         teacher = final.new_empty(*final.shape[:2], self.weight.shape[0])  # [batch, seq, draft_vocab]
         self._teacher_into(final, teacher)
         return aux, teacher

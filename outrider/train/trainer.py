@@ -85,7 +85,7 @@ from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.heads.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
-from outrider.models import arch_info, load_model, load_tokenizer
+from outrider.models import arch_info, is_dispatched, load_model, load_tokenizer, resident_weight
 from outrider.progress import Bar
 from outrider.train import checkpoint, dist, flops, soft_ce
 from outrider.train.capture import TargetCapture
@@ -112,6 +112,17 @@ def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class _OnDevice(nn.Module):
+    """A frozen module of a target placed by accelerate whose outputs must land on ``device``."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        super().__init__()
+        self.inner, self.device = (module,), device  # a tuple: not registered, never trained or saved
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner[0](input_ids).to(self.device)
+
+
 # --------------------------------------------------------------------------------------------
 # The trainer
 
@@ -119,8 +130,8 @@ def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float
 def train(target: str, data: str, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
           init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
           dtype: str | torch.dtype | None = None, max_steps: int | None = None,
-          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None
-          ) -> TrainReport:
+          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
+          device_map: str | dict | None = None, offload_folder: str | None = None) -> TrainReport:
     """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` into ``out``.
 
     preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
@@ -131,11 +142,13 @@ def train(target: str, data: str, out: str, preset: str | None = None, config: T
     max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
     aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
+    device_map:    place the target through accelerate (``outrider.models.parse_device_map``: several
+                   GPUs, CPU and disk offload into ``offload_folder``); the head stays on ``device``
     """
     env = dist.init_from_env(device)
     try:
         return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
-                        progress, loaded_target).run()
+                        progress, loaded_target, (device_map, offload_folder)).run()
     finally:
         dist.shutdown(env)
 
@@ -144,7 +157,8 @@ def train_from_cli(args: Any) -> TrainReport:
     """``outrider train``: the CLI's namespace -> ``train``; rank 0 prints the summary."""
     report = train(args.target, args.data, args.out, preset=args.preset, config=args.config, init=args.init,
                    resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
-                   aux_layer_ids=args.aux_layers, progress=not args.quiet)
+                   aux_layer_ids=args.aux_layers, progress=not args.quiet,
+                   device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None))
     if report.rank == 0:
         print(report.summary())
     return report
@@ -153,7 +167,8 @@ def train_from_cli(args: Any) -> TrainReport:
 class _Trainer:
     def __init__(self, env: dist.DistEnv, target: str, data: str, out: str, preset: str | None,
                  config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
-                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any):
+                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
+                 placement: tuple[Any, Any] = (None, None)):
         self.t_start = time.perf_counter()
         self.env, self.target_name, self.data, self.init = env, str(target), str(data), init
         self.out = Path(out).expanduser()
@@ -164,10 +179,12 @@ class _Trainer:
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
         self._load_data()  # before the target: a bad directory fails fast
-        self.model, tokenizer = self._load_target(loaded_target, dtype)
+        self.model, tokenizer = self._load_target(loaded_target, dtype, placement)
         if tokenizer is not None:
             self.train_ds.check_tokenizer(tokenizer)
         self.embedding = self.model.get_input_embeddings()
+        if is_dispatched(self.model):  # placed by accelerate: embeddings come back to the head's device
+            self.embedding = _OnDevice(self.embedding, env.device)
         self._build_head(init)
         self._build_optimizer()
         self._restore()
@@ -314,9 +331,11 @@ class _Trainer:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
 
-    def _load_target(self, loaded: Any, dtype: Any):
+    def _load_target(self, loaded: Any, dtype: Any, placement: tuple[Any, Any]):
         if loaded is None:
-            model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype)
+            model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype,
+                                          device_map=placement[0], offload_folder=placement[1])
+            return model.eval().requires_grad_(False), tokenizer
         else:
             model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
             if tokenizer is None:
@@ -339,10 +358,11 @@ class _Trainer:
         """
         lm_head = self.model.get_output_embeddings()
         if lm_head is not None and tuple(lm_head.weight.shape[1:]) == (self.head.config.hidden_size,):
-            rows = lm_head.weight.detach().index_select(0, self.vocab.draft_ids.to(lm_head.weight.device))
+            weight = resident_weight(lm_head)
+            rows = weight.detach().index_select(0, self.vocab.draft_ids.to(weight.device))
             self.head.lm_head.weight.copy_(rows.float().cpu())
         norm = getattr(self.model.get_decoder(), "norm", None)
-        weight = getattr(norm, "weight", None)
+        weight = resident_weight(norm) if getattr(norm, "weight", None) is not None else None
         if weight is not None and tuple(weight.shape) == tuple(self.head.norm.weight.shape):
             self.head.norm.weight.copy_(weight.detach().float().cpu())
 
@@ -358,7 +378,8 @@ class _Trainer:
     def _target_flops_per_token(self) -> float:
         """Matmul FLOPs per token of one forward (``flops``): the decoder's weights, routed experts
         at their top-k share, and the draft rows of lm_head."""
-        return flops.target_flops_per_token(self.model.get_decoder(), self.embedding.parameters(),
+        embedding = self.model.get_input_embeddings()
+        return flops.target_flops_per_token(self.model.get_decoder(), embedding.parameters(),
                                             self.head.config.target_hidden_size * self.vocab.draft_vocab_size,
                                             self.model.config)
 
@@ -454,7 +475,7 @@ class _Trainer:
         """The target bound for capture, its graphs sized for the config's largest micro-batch."""
         cfg = self.config
         return TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
-                             max_tokens=cfg.max_batch_tokens)
+                             max_tokens=cfg.max_batch_tokens, device=self.env.device)
 
     def _steps(self, objective: nn.Module):
         """Runs optimizer steps until ``stop_at`` (which the caller may lower as it goes), yielding
