@@ -5,13 +5,14 @@ Contract:
   its ``Layout`` places every raw checkpoint tensor it reads at a 256-byte aligned offset of one
   byte buffer, tensors of one kind (all experts' packed gate weights, then their scales, ...)
   side by side so that ``stacked`` views them as one [E, ...] tensor without a copy.
-- ``LayerLoader.stream(units)`` yields ``Loaded`` units in order. Unit k+1 is read while the
-  caller computes unit k: a background thread ``preadv``s its bytes from the shard files into
+- ``LayerLoader.stream(units, then)`` yields ``Loaded`` units in order. Unit k+1 is read while
+  the caller computes unit k (and ``then``, the next call's first unit, while it computes the
+  last): a background thread ``preadv``s its bytes from the shard files into
   one of two host staging buffers (pinned on CUDA; several reader threads), then, on CUDA, copies
   the buffer to a fresh device buffer on a side stream and records an event that the compute
   stream waits on. On the CPU the staging buffer itself is the unit's memory. The caller must be
   done with unit k-1 (its module emptied) before it asks for unit k+1: the staging buffer it used
-  is then refilled.
+  is then refilled. A finished stream leaves ``then`` loading for the next call that starts with it.
 - Timings per unit (``UnitTiming``): host read seconds, the host's wait for the unit, and on CUDA
   events around the copy and the compute, read once the caller has synchronized.
 
@@ -140,23 +141,35 @@ class LayerLoader:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="outrider-load")
         self.readers = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="outrider-read")
         self.fds = [os.open(p, os.O_RDONLY) for p in files.paths]
+        self._next_slot = 0
+        self._pending: tuple[Unit, Future] | None = None  # the next call's first unit, already loading
 
-    def stream(self, units: Sequence[Unit]) -> Iterator[Loaded]:
-        """The units in order, each resident on the device; unit k+1 loads during unit k."""
-        ahead: Future | None = self.thread.submit(self._load, 0, units[0]) if units else None
+    def stream(self, units: Sequence[Unit], then: Unit | None = None) -> Iterator[Loaded]:
+        """The units in order, each resident on the device; unit k+1 loads during unit k, and
+        ``then`` (the first unit of the next call, if known) during the last one."""
+        if not units:
+            return
+        pending, self._pending = self._pending, None
+        ahead = pending[1] if pending is not None and pending[0] is units[0] else self._submit(units[0])
         for k in range(len(units)):
             t0 = time.perf_counter()
             buf, timing = ahead.result()
             timing.wait_s = time.perf_counter() - t0
-            ahead = self.thread.submit(self._load, k + 1, units[k + 1]) if k + 1 < len(units) else None
+            follow = units[k + 1] if k + 1 < len(units) else then
+            ahead = self._submit(follow) if follow is not None else None
+            if k + 1 == len(units) and ahead is not None:
+                self._pending = (follow, ahead)
             if self.cuda:
                 main = torch.cuda.current_stream(self.device)
                 main.wait_event(timing.events["copy1"])
                 buf.record_stream(main)  # freed for reuse only after the compute queued on it
             yield Loaded(units[k], self.files, buf, timing)
 
-    def _load(self, k: int, unit: Unit) -> tuple[torch.Tensor, UnitTiming]:
-        slot = k % 2
+    def _submit(self, unit: Unit) -> Future:
+        slot, self._next_slot = self._next_slot, 1 - self._next_slot
+        return self.thread.submit(self._load, slot, unit)
+
+    def _load(self, slot: int, unit: Unit) -> tuple[torch.Tensor, UnitTiming]:
         if self.slot_done[slot] is not None:
             self.slot_done[slot].synchronize()  # its previous copy to the device has finished
         timing = UnitTiming(unit.name, unit.raw_bytes)

@@ -377,6 +377,11 @@ class StreamedTarget:
                             "layer's, plus activations): raise --gpu-memory")
         return budget
 
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens a caller should hand over per call (``outrider.train.cache_capture``'s protocol)."""
+        return self.tokens_per_pass
+
     # -- capture --------------------------------------------------------------------------------
 
     def plan(self, lengths: Sequence[int]) -> tuple[list[Chunk], str]:
@@ -409,7 +414,7 @@ class StreamedTarget:
         lengths = [len(x) for x in examples]
         passes = plan_passes(lengths, self.tokens_per_pass)
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(examples)
-        stream = self.loader.stream([u for _ in passes for u in self.units])
+        stream = self.loader.stream([u for _ in passes for u in self.units], then=self.units[0])
         try:
             for members in passes:
                 for i, result in zip(members, self._pass([examples[i] for i in members], stream)):
