@@ -67,8 +67,11 @@ def _weight_key(w: dict[str, Any]) -> tuple:
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int32 ``[..., rows, ceil(cols/8)]`` -> int8 ``[..., rows, cols]`` with values in [-8, 7]."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # [8]
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., rows, cols/8, 8]; the sign bits are masked away
-    return (nibbles.flatten(-2)[..., :cols] - 8).to(torch.int8)
+    nibbles = packed.unsqueeze(-1) >> shifts  # [..., rows, cols/8, 8] int32, the only 4-byte temporary
+    nibbles &= 0xF  # the sign bits of the arithmetic shift are masked away
+    q = nibbles.to(torch.int8).flatten(-2)  # [..., rows, 8*ceil(cols/8)]
+    q -= 8
+    return q if q.shape[-1] == cols else q[..., :cols]
 
 
 def unpack_int4_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:

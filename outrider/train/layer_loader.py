@@ -85,7 +85,8 @@ class UnitTiming:
     read_s: float = 0.0  # host: bytes read into the staging buffer
     wait_s: float = 0.0  # host: blocked waiting for the unit
     compute_s: float = 0.0  # host-timed compute (CPU; on CUDA the events time it)
-    events: dict[str, torch.cuda.Event] = field(default_factory=dict)  # copy0/copy1/compute0/compute1
+    build_s: float = 0.0  # of which building the weights
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict)  # copy0/1, compute0, built, compute1
 
     def ms(self, a: str, b: str) -> float:
         return self.events[a].elapsed_time(self.events[b]) if a in self.events and b in self.events else 0.0
@@ -179,7 +180,7 @@ class LayerLoader:
         timing.read_s = time.perf_counter() - t0
         if not self.cuda:
             return host, timing
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
             timing.events = {k: torch.cuda.Event(enable_timing=True) for k in ("copy0", "copy1")}
             timing.events["copy0"].record(self.copy_stream)
             buf = torch.empty(unit.raw_bytes, dtype=torch.uint8, device=self.device)

@@ -25,9 +25,9 @@ Contract:
 - Memory: ``gpu_memory`` (GB) bounds the device bytes: the largest layer built (dequantized) plus
   its checkpoint bytes, the next layer's checkpoint bytes, dequantization temporaries, the
   activations of one chunk, and the pass's states when they stay on the device. When the states
-  do not fit they live in pinned host memory and each chunk is copied in and out per layer. On
-  CUDA the allocator is capped at the budget while the target is open. A budget below one layer's
-  need is a one-line ``UserError``.
+  do not fit (or ``states_on="host"``) they live in pinned host memory and each chunk is copied in
+  and out per layer. On CUDA the allocator is capped at the budget while the target is open. A
+  budget below one layer's need is a one-line ``UserError``.
 - ``stats``: one ``PassStats`` per pass (tokens, seconds, bytes read, copy / compute / exposed
   copy seconds).
 
@@ -193,6 +193,7 @@ class PassStats:
     read_s: float = 0.0  # host reads into the staging buffers
     copy_s: float = 0.0  # host-to-device copies (CUDA)
     compute_s: float = 0.0  # unit computations, dequantization included
+    build_s: float = 0.0  # of which building the weights (dequantization, expert fusion, casts)
     exposed_s: float = 0.0  # compute idle waiting for weights
     units: list[UnitTiming] = field(default_factory=list, repr=False)
 
@@ -288,12 +289,16 @@ class StreamedTarget:
                  device: torch.device | str | None = None, dtype: str | torch.dtype | None = None,
                  gpu_memory: float | None = None, tokens_per_pass: int | None = None,
                  max_chunk_tokens: int | None = None, packing: str = "padded", out_device: torch.device | str = "cpu",
-                 attn_implementation: str = "sdpa", read_threads: int = 8, temp_bytes: int = 1 << 30):
+                 attn_implementation: str = "sdpa", read_threads: int = 8, temp_bytes: int = 1 << 30,
+                 states_on: str = "auto"):
         path = resolve(target)
         if path.is_file():
             raise UserError(f"{path} is a GGUF file: layer streaming reads a safetensors model folder")
         if packing not in ("padded", "packed"):
             raise UserError(f"packing must be 'padded' or 'packed', not '{packing}'")
+        if states_on not in ("auto", "device", "host"):
+            raise UserError(f"states_on must be 'auto', 'device' or 'host', not '{states_on}'")
+        self.states_on = states_on
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and self.device.index is None:
@@ -361,7 +366,7 @@ class StreamedTarget:
         """Device bytes for weights at the peak: the largest unit built plus its checkpoint bytes,
         the next unit's checkpoint bytes and the dequantization temporaries."""
         biggest = max(u.raw_bytes + u.built_bytes for u in self.units)
-        temp = min(self.temp_bytes, max(u.built_bytes for u in self.units))
+        temp = 2 * min(self.temp_bytes, max(u.built_bytes for u in self.units))  # dequantization temporaries
         return biggest + max(u.raw_bytes for u in self.units) + temp
 
     def _budget(self, gpu_memory: float | None) -> float:
@@ -391,7 +396,8 @@ class StreamedTarget:
         chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free - state, self.per_token, self.per_key)
         state += self.hidden_size * self.itemsize * (sum(c.padded_tokens for c in chunks) - sum(lengths))
         biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
-        if state + biggest <= free or self.device.type == "cpu":
+        if self.states_on == "device" or (self.states_on == "auto" and state + biggest <= free) \
+                or self.device.type == "cpu":
             return chunks, "device"
         chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free, self.per_token, self.per_key)
         biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
@@ -435,11 +441,11 @@ class StreamedTarget:
             loaded = next(stream)
             self._unit(run, loaded, index - 1)  # the embedding is unit 0, decoder layer i unit i+1
             stats.units.append(loaded.timing)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # states copied to pinned memory have landed
         aux = run.aux.to(self.out_device)  # [n_aux, tokens, H]
         aux = aux.permute(1, 0, 2).reshape(aux.shape[1], -1)  # [tokens, n_aux*H]
-        final = run.final.to(self.out_device)  # [tokens, H]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        final = run.final.to(self.out_device, copy=run.final.device == self.out_device and run.final.is_pinned())
         self._finish_stats(stats, time.perf_counter() - t0)
         result: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(examples)  # type: ignore[list-item]
         for i, at, n in run.owner:
@@ -455,6 +461,10 @@ class StreamedTarget:
         if cuda:
             timing.events["compute0"] = _event()
         loaded.materialise(self.temp_bytes)
+        if cuda:
+            timing.events["built"] = _event()
+        else:
+            timing.build_s = time.perf_counter() - t0
         module = loaded.unit.module
         for c in range(len(run.chunks)):
             if layer < 0:
@@ -485,10 +495,12 @@ class StreamedTarget:
         if self.device.type == "cuda":
             stats.copy_s = sum(t.ms("copy0", "copy1") for t in stats.units) / 1e3
             stats.compute_s = sum(t.ms("compute0", "compute1") for t in stats.units) / 1e3
+            stats.build_s = sum(t.ms("compute0", "built") for t in stats.units) / 1e3
             stats.exposed_s = sum(a.events["compute1"].elapsed_time(b.events["compute0"])
                                   for a, b in zip(stats.units, stats.units[1:])) / 1e3
         else:
             stats.compute_s = sum(t.compute_s for t in stats.units)
+            stats.build_s = sum(t.build_s for t in stats.units)
             stats.exposed_s = sum(t.wait_s for t in stats.units)
         self.stats.append(stats)
 

@@ -21,7 +21,8 @@ Contract:
 - ``build_tensor(recipe, get)`` makes the module tensor on the device the raw tensors are on;
   ``get(name)`` returns a raw tensor and ``get_stacked(names)`` (optional) a zero-copy
   [E, ...] view of equally shaped raw tensors stored at a constant stride. INT4 parts are
-  dequantized in groups of experts so the unpacked temporaries stay under ``temp_bytes``.
+  dequantized in groups of experts whose int32 unpacking temporary stays under ``temp_bytes``
+  (the other temporaries of a group add about as much again).
 
 Not done here: other tensor renamings (Mixtral's ``w1/w2/w3``, gpt-oss biases), FP8 block scales,
 ``.bin`` checkpoints (pickles are never loaded), writing.
@@ -293,7 +294,7 @@ def build_tensor(recipe: Recipe, get: Callable[[str], torch.Tensor],
     out = torch.empty(recipe.shape, dtype=recipe.dtype, device=first.device)  # [E, rows, cols]
     experts, row = recipe.shape[0], 0
     for part in recipe.parts:
-        per_expert = part.rows * part.cols * (4 if part.int4 else first.element_size())  # unpacked temporaries
+        per_expert = part.rows * part.cols * 4 if part.int4 else 0  # the int32 unpacking temporary
         group = max(1, min(experts, temp_bytes // max(per_expert, 1))) if part.int4 else experts
         for start in range(0, experts, group):
             stop = min(experts, start + group)
