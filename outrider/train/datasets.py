@@ -96,8 +96,9 @@ class Batch:
     indices: torch.Tensor  # [batch] int64, example indices in the dataset
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return Batch(*(to_device(t, device, non_blocking)
-                       for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
+        """The token tensors on ``device``; ``indices`` stay on the host (bookkeeping, read there)."""
+        return Batch(*(to_device(t, device, non_blocking) for t in (self.input_ids, self.attention_mask,
+                                                                     self.loss_mask)), self.indices)
 
     def cut(self, max_length: int) -> "Batch":
         """The first ``max_length`` positions of every row."""
