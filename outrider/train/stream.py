@@ -518,6 +518,27 @@ class StreamedTarget:
         self.close()
 
 
+def stream_options(args: Any) -> dict[str, Any] | None:
+    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamedTarget`` options, or None."""
+    gpu_memory, tokens = getattr(args, "gpu_memory", None), getattr(args, "tokens_per_pass", None)
+    if not getattr(args, "stream_layers", False):
+        if gpu_memory is not None or tokens is not None:
+            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
+        return None
+    if getattr(args, "device_map", None) is not None:
+        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
+    return {"gpu_memory": gpu_memory, "tokens_per_pass": tokens}
+
+
+def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, args: Any) -> "StreamedTarget | None":
+    """``outrider capture --stream-layers``: the capture's hidden-state source, or None (load the target)."""
+    options = stream_options(args)
+    if options is None:
+        return None
+    ids = sorted(aux_layer_ids) if aux_layer_ids is not None else None
+    return StreamedTarget(target, ids, device=getattr(args, "device", None), **options)
+
+
 def _event() -> torch.cuda.Event:
     e = torch.cuda.Event(enable_timing=True)
     e.record()
