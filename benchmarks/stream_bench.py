@@ -21,7 +21,9 @@
    checkpoint GB/s read into pinned buffers and copied to the device, the share of that loading
    hidden behind compute, the compute and dequantization seconds, peak device memory, and the
    efficiency max(loading, compute) / wall (goal >= 0.8).
-5. Predicts Kimi-K2.5 (61 layers, ~595 GB) per 100 M tokens on this GPU from those rates.
+5. Measures cold disk reads (one shard written back, dropped from the page cache, read in parallel
+   pieces) and predicts Kimi-K2.5 (61 layers, ~595 GB) per 100 M tokens on this GPU from those rates:
+   with its weights in host memory, and read from this disk each pass.
 6. The default model: streamed capture tokens/s against the plain in-memory forward over the same
    chunks, and the largest absolute difference of every aux state and the final one (bf16).
 
@@ -246,32 +248,59 @@ def h2d_peak(device: torch.device, nbytes: int = 1 << 30) -> dict:
     return {"h2d_gbps": nbytes / h2d / 1e6, "d2h_gbps": nbytes / d2h / 1e6, "bytes": nbytes}
 
 
+def disk_read_gbps(path: Path, threads: int = 8, piece: int = 64 << 20) -> float | None:
+    """Cold reads of one file: written back (fsync), dropped from the page cache, read in parallel
+    pieces as the streamer reads; GB/s (None where the page cache cannot be dropped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
+        buffers = [bytearray(piece) for _ in range(threads)]
+
+        def read(k: int) -> int:
+            done = 0
+            for start in range(k * piece, size, threads * piece):
+                done += os.preadv(fd, [memoryview(buffers[k])[: min(piece, size - start)]], start)
+            return done
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read, range(threads)))
+        return total / (time.perf_counter() - t0) / GB
+    finally:
+        os.close(fd)
+
+
 def gemm_rate(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     return 2 * n ** 3 / _events_ms(lambda: a @ b) / 1e9  # TFLOP/s
 
 
-def expert_rate(c: dict, device: torch.device, tokens: int) -> dict:
-    """Routed experts of one layer (stock DeepseekV3Experts) on ``tokens`` uniformly routed tokens."""
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
+    """Routed experts of one layer (the streamed skeleton's own ``DeepseekV3Experts``, its default
+    implementation) on ``tokens`` uniformly routed tokens."""
+    from outrider.train.stream import build_skeleton, text_config
 
-    cfg = DeepseekV3Config(**{k: v for k, v in c.items() if k not in ("quantization_config", "model_type")})
-    with torch.device("meta"):
-        experts = DeepseekV3Experts(cfg).to(torch.bfloat16)
+    config, _ = text_config(folder)
+    experts = build_skeleton(config, torch.bfloat16).model.layers[config.first_k_dense_replace].mlp.experts
     experts = experts.to_empty(device=device)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.02)
         experts.down_proj.normal_(0, 0.02)
-    E, k, H, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+    E, k, H = config.n_routed_experts, config.num_experts_per_tok, config.hidden_size
     x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
     idx = torch.rand(tokens, E, device=device).topk(k, dim=-1).indices  # [tokens, k] uniform routing
     w = torch.full((tokens, k), 1.0 / k, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         ms = _events_ms(lambda: experts(x, idx, w))
-    flops = 2 * tokens * k * 3 * H * inter
-    impl = getattr(cfg, "_experts_implementation", None)
+    flops = 2 * tokens * k * 3 * H * config.moe_intermediate_size
+    impl = getattr(experts.config, "_experts_implementation", None)
     del experts
     torch.cuda.empty_cache()
     return {"tokens": tokens, "ms": ms, "tflops": flops / ms / 1e9, "implementation": impl}
@@ -342,20 +371,24 @@ def stream_run(folder: Path, a: argparse.Namespace, device: torch.device, vocab:
 
 
 def predict_kimi(c: dict, run: dict, tokens_per_pass: int, moe_bytes: int, dense_bytes: int, embed_bytes: int,
-                 load_gbps: float) -> dict:
-    """Kimi-K2.5 (1 dense + 60 MoE layers) per 100 M tokens, from this run's per-layer rates."""
+                 load_gbps: float, disk_gbps: float | None) -> dict:
+    """Kimi-K2.5 (1 dense + 60 MoE layers) per 100 M tokens, from this run's per-layer rates: its
+    weights read at this run's loading rate (host memory holds the whole checkpoint), or at the
+    disk's cold rate when it does not (595 GB against this box's host memory)."""
     total_bytes = embed_bytes + dense_bytes + (KIMI_LAYERS - 1) * moe_bytes
     per_token = (run["moe_compute_s"] - run["moe_build_s"]) / run["tokens"]  # one MoE layer, per token
-    out = {"kimi_bytes_gb": total_bytes / GB, "load_gbps": load_gbps}
+    out = {"kimi_bytes_gb": total_bytes / GB, "load_gbps": load_gbps, "disk_gbps": disk_gbps}
     for T in sorted({tokens_per_pass, 262144, 524288}):
-        load = total_bytes / (load_gbps * GB)
         compute = (KIMI_LAYERS - 1) * (run["moe_build_s"] + per_token * T)  # the dense layer and embedding aside
-        ideal = max(load, compute)
-        expected = ideal / max(run["efficiency"] or 1.0, 1e-9)
-        out[str(T)] = {"load_s_per_pass": load, "compute_s_per_pass": compute,
-                       "hours_per_100M_ideal": ideal * 1e8 / T / 3600,
-                       "hours_per_100M_expected": expected * 1e8 / T / 3600,
-                       "states_gb_per_pass": T * c["hidden_size"] * 2 * 5 / GB}
+        entry = {"compute_s_per_pass": compute, "states_gb_per_pass": T * c["hidden_size"] * 2 * 5 / GB}
+        for tag, rate in (("cached", load_gbps), ("disk", min(load_gbps, disk_gbps) if disk_gbps else None)):
+            if rate is None:
+                continue
+            load = total_bytes / (rate * GB)
+            ideal = max(load, compute)
+            entry[tag] = {"load_s_per_pass": load, "hours_per_100M_ideal": ideal * 1e8 / T / 3600,
+                          "hours_per_100M_expected": ideal / max(run["efficiency"] or 1.0, 1e-9) * 1e8 / T / 3600}
+        out[str(T)] = entry
     return out
 
 
@@ -464,10 +497,14 @@ def main(argv=None) -> dict:
     if cuda:
         record["link"] = h2d_peak(device)
         record["gemm_tflops"] = gemm_rate(device)
-        record["experts"] = expert_rate(c, device, a.expert_tokens)
+        record["experts"] = expert_rate(out, device, a.expert_tokens)
         print(f"link: pinned H2D {record['link']['h2d_gbps']:.1f} GB/s, D2H {record['link']['d2h_gbps']:.1f} GB/s; "
               f"bf16 GEMM 8192^3 {record['gemm_tflops']:.0f} TFLOP/s; routed experts ({record['experts']['tokens']} "
               f"tokens, {record['experts']['implementation']}) {record['experts']['tflops']:.0f} TFLOP/s")
+    shards = sorted(out.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    record["disk_read_gbps"] = disk_read_gbps(shards[-1])
+    if record["disk_read_gbps"]:
+        print(f"disk: cold reads of {shards[-1].name} at {record['disk_read_gbps']:.1f} GB/s")
     aux = (1, max(1, layers // 2), layers - 1) if layers >= 3 else (0, 1, 1)
     record["stream"] = stream_run(out, a, device, c["vocab_size"], tuple(sorted(set(aux))))
     for k, r in enumerate(record["stream"]["runs"]):
@@ -487,17 +524,21 @@ def main(argv=None) -> dict:
         H, V = c["hidden_size"], c["vocab_size"]
         kimi = dict(SHAPES["kimi"]) if a.shape == "kimi" else c
         record["kimi_prediction"] = predict_kimi(kimi, run, a.tokens_per_pass, layer_bytes(c, 1), layer_bytes(c, 0),
-                                                 V * H * 2, load_gbps)
+                                                 V * H * 2, load_gbps, record.get("disk_read_gbps"))
         ctx = (a.lo + a.hi) / 4  # mean keys per query for lengths uniform in [lo, hi]
         flops = moe_layer_flops_per_token(c, ctx)
         per_token = (run["moe_compute_s"] - run["moe_build_s"]) / run["tokens"]
         record["moe_layer_tflops"] = flops / per_token / 1e12 if per_token > 0 else None
         for T, p in record["kimi_prediction"].items():
             if T.isdigit():
-                print(f"Kimi-K2.5 at {int(T):,} tokens/pass: load {p['load_s_per_pass']:.1f} s, compute "
-                      f"{p['compute_s_per_pass']:.1f} s per pass -> {p['hours_per_100M_ideal']:.2f} h per 100 M "
-                      f"tokens ideal, {p['hours_per_100M_expected']:.2f} h at this run's efficiency "
-                      f"(states {p['states_gb_per_pass']:.0f} GB per pass)")
+                for tag in ("cached", "disk"):
+                    if tag in p:
+                        q = p[tag]
+                        print(f"Kimi-K2.5 at {int(T):,} tokens/pass, weights {'in host memory' if tag == 'cached' else 'from disk'}: "
+                              f"load {q['load_s_per_pass']:.1f} s, compute {p['compute_s_per_pass']:.1f} s per pass -> "
+                              f"{q['hours_per_100M_ideal']:.2f} h per 100 M tokens ideal, "
+                              f"{q['hours_per_100M_expected']:.2f} h at this run's efficiency "
+                              f"(states {p['states_gb_per_pass']:.0f} GB per pass)")
         print(f"one MoE layer computes at {record['moe_layer_tflops'] or 0:.0f} TFLOP/s "
               f"({flops / 1e9:.2f} GFLOP/token), builds its weights in {run['moe_build_s'] * 1e3:.0f} ms")
     if a.default_model != "none":

@@ -216,13 +216,27 @@ class PassStats:
 # One pass's states
 
 
+class _PinnedPool:
+    """Page-locked host buffers kept from pass to pass (pinning gigabytes costs seconds)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self.buffers.get(role)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[role] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes].view(dtype)
+
+
 class _Pass:
     """Inputs of every chunk (on the device) and the pass's states (on the device or pinned host)."""
 
     def __init__(self, examples: list[list[int]], chunks: list[Chunk], device: torch.device, home: torch.device,
-                 hidden: int, n_aux: int, dtype: torch.dtype, pad_id: int):
+                 hidden: int, n_aux: int, dtype: torch.dtype, pad_id: int, pinned: "_PinnedPool | None" = None):
         self.chunks, self.device, self.home = chunks, device, home
-        pin = home.type == "cpu" and device.type == "cuda"
+        pin = home.type == "cpu" and device.type == "cuda"  # states in page-locked host memory
         self.ids, self.masks, self.positions, self.real, self.rows = [], [], [], [], []
         self.owner: list[tuple[int, int, int]] = []  # (example, output row, length), in output order
         at = 0
@@ -250,13 +264,18 @@ class _Pass:
                 self.owner.append((i, at, n))
                 at += n
         padded = sum(c.padded_tokens for c in chunks)
-        flat = torch.empty(padded * hidden, dtype=dtype, device=home, pin_memory=pin)
+        def empty(role: str, *shape: int) -> torch.Tensor:
+            if pin and pinned is not None:
+                return pinned.take(role, math.prod(shape), dtype).view(*shape)
+            return torch.empty(*shape, dtype=dtype, device=home)
+
+        flat = empty("h", padded * hidden)
         self.h, start = [], 0
         for c in chunks:  # [rows, width, hidden] each, one buffer
             self.h.append(flat[start: start + c.padded_tokens * hidden].view(c.rows, c.width, hidden))
             start += c.padded_tokens * hidden
-        self.aux = torch.empty(n_aux, at, hidden, dtype=dtype, device=home, pin_memory=pin)  # [n_aux, tokens, H]
-        self.final = torch.empty(at, hidden, dtype=dtype, device=home, pin_memory=pin)  # [tokens, H]
+        self.aux = empty("aux", n_aux, at, hidden)  # [n_aux, tokens, H]
+        self.final = empty("final", at, hidden)  # [tokens, H]
 
     def load(self, c: int) -> torch.Tensor:
         return self.h[c].to(self.device, non_blocking=True)  # [rows, width, H]
@@ -326,6 +345,7 @@ class StreamedTarget:
         self.per_token, self.per_key = activation_bytes(self.config, self.itemsize, attn_implementation)
         self.budget = self._budget(gpu_memory)
         self.stats: list[PassStats] = []
+        self._pinned = _PinnedPool()
         self._fraction_set = False
         if cuda and gpu_memory is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -370,16 +390,16 @@ class StreamedTarget:
         return biggest + max(u.raw_bytes for u in self.units) + temp
 
     def _budget(self, gpu_memory: float | None) -> float:
-        if gpu_memory is None:
-            if self.device.type != "cuda":
-                return math.inf
-            return torch.cuda.mem_get_info(self.device)[0] - (1 << 30)
-        budget = float(gpu_memory) * GB
+        if gpu_memory is None and self.device.type != "cuda":
+            return math.inf
+        free = gpu_memory is None
+        budget = torch.cuda.mem_get_info(self.device)[0] - (1 << 30) if free else float(gpu_memory) * GB
         need = self.weights_need() + self.per_token + self.per_key
         if budget < need:
-            raise UserError(f"--gpu-memory {gpu_memory:g} GB is smaller than one layer: streaming needs at least "
-                            f"{need / GB:.2f} GB (the largest layer built, its checkpoint bytes and the next "
-                            "layer's, plus activations): raise --gpu-memory")
+            what = f"the free device memory ({budget / GB:.2f} GB)" if free else f"--gpu-memory {gpu_memory:g} GB"
+            raise UserError(f"{what} is smaller than one layer: streaming needs at least {need / GB:.2f} GB (the "
+                            "largest layer built, its checkpoint bytes and the next layer's, plus activations): "
+                            "raise --gpu-memory or free the device")
         return budget
 
     @property
@@ -434,7 +454,7 @@ class StreamedTarget:
         chunks, where = self.plan([len(x) for x in examples])
         home = self.device if where == "device" else torch.device("cpu")
         run = _Pass(examples, chunks, self.device, home, self.hidden_size, len(self.aux_layer_ids), self.dtype,
-                    self.pad_id)
+                    self.pad_id, self._pinned)
         stats = PassStats(len(examples), sum(c.tokens for c in chunks), sum(c.padded_tokens for c in chunks),
                           len(chunks), where)
         for index in range(len(self.units)):
@@ -443,9 +463,12 @@ class StreamedTarget:
             stats.units.append(loaded.timing)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # states copied to pinned memory have landed
+        reused = run.final.is_pinned()  # pooled host buffers: the next pass overwrites them
         aux = run.aux.to(self.out_device)  # [n_aux, tokens, H]
         aux = aux.permute(1, 0, 2).reshape(aux.shape[1], -1)  # [tokens, n_aux*H]
-        final = run.final.to(self.out_device, copy=run.final.device == self.out_device and run.final.is_pinned())
+        if reused and aux.data_ptr() == run.aux.data_ptr():
+            aux = aux.clone()
+        final = run.final.to(self.out_device, copy=reused and run.final.device == self.out_device)
         self._finish_stats(stats, time.perf_counter() - t0)
         result: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(examples)  # type: ignore[list-item]
         for i, at, n in run.owner:
@@ -505,6 +528,7 @@ class StreamedTarget:
         self.stats.append(stats)
 
     def close(self) -> None:
+        self._pinned.buffers.clear()
         self.loader.close()
         self.files.close()
         if self._fraction_set:
