@@ -52,7 +52,7 @@ from outrider.train.int4 import Int4Scheme
 from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
 from outrider.train.weights import SafetensorsFiles, build_tensor, decoder_prefix, keep_fp32_pattern, module_recipes
 
-SUPPORTED = ("llama", "deepseek_v3", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "deepseek_v3")  # the families whose model forward the layer loop restates, tested
 GB = 1e9
 
 
