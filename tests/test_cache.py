@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from test_trainer import _conversations
 from tiny import save_tiny
@@ -146,7 +145,7 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("training from a cache built the target")
 
-    monkeypatch.setattr("outrider.train.trainer.load_model", refuse)
+    monkeypatch.setattr("outrider.models.load_model", refuse)
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
     cached = train(target, None, str(root / f"cached-{kind}"), config=CFG, progress=False, cache=cache)
     a, b = _losses(root / f"online-{kind}"), _losses(root / f"cached-{kind}")
@@ -210,7 +209,8 @@ def test_killed_capture_resumes_without_rewriting_finished_shards(env, tmp_path)
     target, data = env["llama"]
     straight = Path(_capture(env, "llama", "float32"))
     out = tmp_path / "killed"
-    code = ("import sys, time; from outrider.train import cache; from outrider.train.cache_capture import capture_cache\n"
+    code = ("import sys, time\nfrom outrider.train import cache\n"
+            "from outrider.train.cache_capture import capture_cache\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.3)\n"
             "cache._write_file = slow\n"
@@ -344,3 +344,28 @@ def test_bad_caches_are_one_line_errors(env, tmp_path, capsys):
     m = json.loads((incomplete / "manifest.json").read_text())
     (incomplete / "manifest.json").write_text(json.dumps({**m, "complete": False, "shards": m["shards"][:-1]}))
     assert "incomplete" in run(incomplete)
+
+
+@pytest.mark.slow
+def test_default_model_cache_training_equals_online_training(tmp_path, monkeypatch):
+    from outrider import assets
+
+    if not (assets.default_model_dir() / "config.json").exists() or not assets.sharegpt_path().exists():
+        pytest.skip("default model or ShareGPT not pulled (run `outrider pull`)")
+    data = tmp_path / "data"
+    build_dataset("default", "sharegpt", str(data), max_conversations=8, max_length=96, eval_fraction=0.25,
+                  progress=False)
+    cfg = TrainConfig.preset("quick").replace(steps=3, warmup_steps=1, batch_size=2, max_length=96, eval_every=3,
+                                              save_every=3, eval_examples=2, draft_vocab_size=512)
+    online = train("default", str(data), str(tmp_path / "online"), config=cfg, progress=False)
+    report = capture_cache("default", str(data), str(tmp_path / "cache"), dtype="float32", device="cpu",
+                           progress=False)
+    assert report.bytes_per_token < 8 * 576 * 4  # float32: the final state at teacher rows only
+
+    def refuse(*a, **k):
+        raise AssertionError("training from a cache built the target")
+
+    monkeypatch.setattr("outrider.models.load_model", refuse)
+    cached = train("default", None, str(tmp_path / "cached"), config=cfg, progress=False, cache=str(tmp_path / "cache"))
+    assert np.allclose(_losses(tmp_path / "online"), _losses(tmp_path / "cached"), rtol=1e-5, atol=0)
+    assert cached.final_eval["loss"] == pytest.approx(online.final_eval["loss"], rel=1e-5)

@@ -35,21 +35,43 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.models import arch_info, load_tokenizer
+from outrider import models
+from outrider.models import arch_info, load_tokenizer, parse_dtype
 from outrider.train import flops
 from outrider.train.cache import OutriderCache, dequantize
 from outrider.train.capture import Captured, TargetCapture, TeacherHead
-from outrider.train.datasets import Batch, TokenDataset, to_device
+from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
+
+
+def open_target(target: str, data: str | None, cache: str | None, device: torch.device, dtype: Any, loaded: Any,
+                aux_layer_ids: Sequence[int] | None) -> "OnlineTarget | CachedTarget":
+    """The target side of a run: ``cache`` read with the target's few tensors, or the target loaded
+    (``loaded``: a model or ``(model, tokenizer)`` already in memory) after its ``data`` (a bad
+    directory fails fast)."""
+    if cache is not None:
+        return CachedTarget(cache, target, device, parse_dtype(dtype, device), aux_layer_ids)
+    splits = {"train": load_split(data, "train", required=True), "eval": load_split(data, "eval", required=False)}
+    if loaded is None:
+        model, tokenizer = models.load_model(target, device=device, dtype=dtype)
+    else:
+        model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
+        model = model.to(device)
+    splits["train"].check_tokenizer(tokenizer)
+    return OnlineTarget(model.eval().requires_grad_(False), splits)
 
 
 class OnlineTarget:
     """The target in memory: features from its forward, per batch."""
+
+    aux_layer_ids = None  # any: the hooks capture what the run asks for
 
     def __init__(self, model: torch.nn.Module, splits: dict[str, TokenDataset | None]):
         self.model = model
         self.config = model.config
         self.embedding = model.get_input_embeddings()
         self.splits = splits
+        self.notes: list[str] = []
 
     def lm_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         lm_head = self.model.get_output_embeddings()
