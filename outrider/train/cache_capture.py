@@ -100,8 +100,10 @@ def target_identity(target: str, cfg: dict[str, Any], tokenizer: dict[str, Any])
     info = arch_info(cfg)
     keep = {k: v for k, v in cfg.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
                                                        "use_cache", "architectures")}
-    path = resolve(target)
-    weights = None if path.is_file() else TargetWeights(target).fingerprint()
+    try:  # a GGUF file or weights in another container: the cache then names no weights
+        weights = None if resolve(target).is_file() else TargetWeights(target).fingerprint()
+    except UserError:
+        weights = None
     return {"name": str(target), "model_type": info.model_type, "hidden_size": info.hidden_size,
             "num_layers": info.num_layers, "vocab_size": info.vocab_size,
             "config_sha256": hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest(),

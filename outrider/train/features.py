@@ -15,9 +15,9 @@ safetensors (``TargetWeights``). Its cache is ours (``outrider.train.cache``) or
 (``outrider.train.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
 detected from the files. Its examples are addressed by ``Batch.indices``: a split's datasets
 number them ``train`` first, then ``eval``. A cache of another target (config, weights or
-tokenizer), of other aux ids, or without loss tokens is refused with one line. With ``--aux-layers``
-absent, a peer's cache is taken to hold the peers' default layers, ``(2, L//2, L-3)`` in our
-convention (SpecForge's ``[1, L//2-1, L-4]``), which the notes say.
+tokenizer), of other aux ids, or without loss tokens is refused with one line. Without
+``--aux-layers``, a peer's cache is taken to hold the peers' default layers, ``(2, L//2, L-3)`` in
+our convention (SpecForge's ``[1, L//2-1, L-4]``), which the notes say.
 
 Teacher rows a cache does not hold are left zero: the TTT loss reads only the teacher rows of
 positions whose next token is learned, and those are stored.
@@ -34,8 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from outrider.errors import UserError
 from outrider import models
+from outrider.errors import UserError
 from outrider.models import arch_info, load_tokenizer, parse_dtype
 from outrider.train import flops
 from outrider.train.cache import OutriderCache, dequantize
