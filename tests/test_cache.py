@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from test_trainer import _conversations
 from tiny import save_tiny
@@ -30,8 +29,8 @@ from outrider.train.cache_capture import capture_cache
 from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
 
-CFG = TrainConfig(steps=6, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
-                  draft_vocab_size=40, eval_every=3, save_every=2, eval_examples=6, log_every=1)
+CFG = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
+                  draft_vocab_size=40, eval_every=4, save_every=2, eval_examples=6, log_every=1)
 AUX = (1, 2, 3)
 
 
@@ -146,7 +145,7 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("training from a cache built the target")
 
-    monkeypatch.setattr("outrider.train.trainer.load_model", refuse)
+    monkeypatch.setattr("outrider.models.load_model", refuse)
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
     cached = train(target, None, str(root / f"cached-{kind}"), config=CFG, progress=False, cache=cache)
     a, b = _losses(root / f"online-{kind}"), _losses(root / f"cached-{kind}")
@@ -161,7 +160,7 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
 def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
     target, _ = env["llama"]
     cache = _capture(env, "llama", "fp8")
-    cfg = CFG.replace(save_every=1)
+    cfg = CFG.replace(steps=6, save_every=1, eval_every=6)
     ref = train(target, None, str(tmp_path / "ref"), config=cfg, progress=False, cache=cache)
     out = tmp_path / "killed"
     code = ("import sys; from outrider.train.trainer import train; from outrider.config import TrainConfig; "
@@ -191,7 +190,7 @@ def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
 def test_two_processes_split_a_cache_and_match_one(env, tmp_path):
     target, _ = env["llama"]
     cache = _capture(env, "llama", "bf16")
-    base = CFG.replace(steps=3, eval_every=3, save_every=3, group_by_length=8)
+    base = CFG.replace(steps=2, eval_every=2, save_every=2, group_by_length=8)
     cfg = base.save(tmp_path / "two.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "outrider",
            "train", target, "--cache", cache, "--out", str(tmp_path / "two"), "--config", str(cfg), "--device", "cpu",
@@ -210,7 +209,8 @@ def test_killed_capture_resumes_without_rewriting_finished_shards(env, tmp_path)
     target, data = env["llama"]
     straight = Path(_capture(env, "llama", "float32"))
     out = tmp_path / "killed"
-    code = ("import sys, time; from outrider.train import cache; from outrider.train.cache_capture import capture_cache\n"
+    code = ("import sys, time\nfrom outrider.train import cache\n"
+            "from outrider.train.cache_capture import capture_cache\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.3)\n"
             "cache._write_file = slow\n"
@@ -242,6 +242,20 @@ def test_killed_capture_resumes_without_rewriting_finished_shards(env, tmp_path)
     again = capture_cache(target, data, str(out), dtype="float32", aux_layer_ids=AUX, max_tokens_per_shard=300,
                           progress=False)
     assert again.shards_written == 0
+
+
+def test_a_shard_renamed_but_not_listed_is_adopted_not_rewritten(env, tmp_path):
+    target, data = env["llama"]
+    out = _copy(_capture(env, "llama", "fp8"), tmp_path / "c")
+    m = json.loads((out / "manifest.json").read_text())
+    last = out / m["shards"][-1]["file"]
+    stamp = (last.stat().st_ino, last.stat().st_mtime_ns)
+    (out / "manifest.json").write_text(json.dumps({**m, "complete": False, "shards": m["shards"][:-1]}))
+    (out / ".shard-00001.safetensors.abc.tmp").write_bytes(b"half a shard")  # a killed write's leftover
+    report = capture_cache(target, data, str(out), dtype="fp8", aux_layer_ids=AUX, max_tokens_per_shard=300,
+                           progress=False)
+    assert report.shards_written == 0 and (last.stat().st_ino, last.stat().st_mtime_ns) == stamp
+    assert json.loads((out / "manifest.json").read_text()) == m and not list(out.glob(".*tmp"))
 
 
 def test_disk_full_mid_shard_keeps_finished_shards(env, tmp_path, monkeypatch, capsys):
@@ -344,3 +358,28 @@ def test_bad_caches_are_one_line_errors(env, tmp_path, capsys):
     m = json.loads((incomplete / "manifest.json").read_text())
     (incomplete / "manifest.json").write_text(json.dumps({**m, "complete": False, "shards": m["shards"][:-1]}))
     assert "incomplete" in run(incomplete)
+
+
+@pytest.mark.slow
+def test_default_model_cache_training_equals_online_training(tmp_path, monkeypatch):
+    from outrider import assets
+
+    if not (assets.default_model_dir() / "config.json").exists() or not assets.sharegpt_path().exists():
+        pytest.skip("default model or ShareGPT not pulled (run `outrider pull`)")
+    data = tmp_path / "data"
+    build_dataset("default", "sharegpt", str(data), max_conversations=6, max_length=96, eval_fraction=0.34,
+                  progress=False)
+    cfg = TrainConfig.preset("quick").replace(steps=2, warmup_steps=1, batch_size=2, max_length=96, eval_every=2,
+                                              save_every=2, eval_examples=2, draft_vocab_size=512)
+    online = train("default", str(data), str(tmp_path / "online"), config=cfg, progress=False)
+    report = capture_cache("default", str(data), str(tmp_path / "cache"), dtype="float32", device="cpu",
+                           progress=False)
+    assert report.bytes_per_token < 8 * 576 * 4  # float32: the final state at teacher rows only
+
+    def refuse(*a, **k):
+        raise AssertionError("training from a cache built the target")
+
+    monkeypatch.setattr("outrider.models.load_model", refuse)
+    cached = train("default", None, str(tmp_path / "cached"), config=cfg, progress=False, cache=str(tmp_path / "cache"))
+    assert np.allclose(_losses(tmp_path / "online"), _losses(tmp_path / "cached"), rtol=1e-5, atol=0)
+    assert cached.final_eval["loss"] == pytest.approx(online.final_eval["loss"], rel=1e-5)

@@ -87,7 +87,8 @@ def _ours(env, name: str, states: dict) -> str:
 def _train_losses(env, cache: str, name: str) -> list[float]:
     out = env["root"] / name
     train(env["target"], None, str(out), config=CFG, progress=False, cache=cache)
-    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [r["loss"] for r in records if r["type"] == "train"]
 
 
 def _specforge(env, out: Path, batch: int = 4) -> Path:
@@ -126,7 +127,7 @@ def test_specforge_files_train_as_our_cache_does(env):
     reader = open_cache(folder)
     assert reader.kind == "SpecForge" and reader.hidden_size == 64 and not reader.final_prenorm
     ids, masks, _ = reader.examples("train")
-    for (want, mask, aux, _, final), got, m in zip(env["examples"], ids, masks):
+    for (want, mask, *_), got, m in zip(env["examples"], ids, masks):
         last = int(np.flatnonzero(mask)[-1]) + 1  # the padding (and the tail no loss reads) dropped
         assert np.array_equal(got, want[:last]) and np.array_equal(m, mask[:last])
     st = reader.read("train", 1)
@@ -151,8 +152,9 @@ def _speculators(env, out: Path, fp8: bool, monkeypatch) -> Path:
     """speculators' layout: the Arrow dataset (``save_to_disk``) and vLLM's ``hs_{i}.safetensors`` ([T, 4, H]
     bf16: three aux states and the last one before the final norm), or hs-connectors' fp8 writer."""
     datasets = _import_or_skip("datasets", "datasets")
-    rows = {"input_ids": [e[0].tolist() for e in env["examples"]], "loss_mask": [e[1].tolist() for e in env["examples"]],
-            "seq_len": [len(e[0]) for e in env["examples"]]}
+    examples = env["examples"]
+    rows = {"input_ids": [e[0].tolist() for e in examples], "loss_mask": [e[1].tolist() for e in examples],
+            "seq_len": [len(e[0]) for e in examples]}
     ds = datasets.Dataset.from_dict(rows)
     ds.set_format("torch")
     ds.save_to_disk(str(out))
@@ -211,8 +213,8 @@ def test_unreadable_peer_files_are_one_line_refusals(env, tmp_path, capsys):
     ids = torch.arange(5, 12)
     dflash = tmp_path / "dflash" / "rows_0-2000"
     dflash.mkdir(parents=True)
-    torch.save({"input_ids": ids, "loss_mask": torch.ones(7, dtype=torch.long), "hidden_states": torch.zeros(1, 7, 192)},
-               dflash / "data_0.ckpt")
+    torch.save({"input_ids": ids, "loss_mask": torch.ones(7, dtype=torch.long),
+                "hidden_states": torch.zeros(1, 7, 192)}, dflash / "data_0.ckpt")
     assert "not an EAGLE-3 record" in refused(dflash.parent)
     code = tmp_path / "code" / "rows_0-2000"
     code.mkdir(parents=True)

@@ -408,6 +408,6 @@ class OutriderCache:
         rows = torch.from_numpy(teacher_rows(mask))
         m = int(rows.numel())
         fp8 = self.header["dtype"] == "fp8"
-        return Stored(aux=f.get_slice("aux")[row:row + n], aux_scale=f.get_slice("aux_scale")[row:row + n] if fp8 else None,
-                      final=f.get_slice("final")[frow:frow + m],
-                      final_scale=f.get_slice("final_scale")[frow:frow + m] if fp8 else None, rows=rows)
+        return Stored(aux=f.get_slice("aux")[row:row + n], final=f.get_slice("final")[frow:frow + m], rows=rows,
+                      aux_scale=f.get_slice("aux_scale")[row:row + n] if fp8 else None,
+                      final_scale=f.get_slice("final_scale")[frow:frow + m] if fp8 else None)

@@ -24,7 +24,8 @@ Contract:
     check, and leaves it when done or failed.
   ``ModelSource`` (``outrider.train.capture``: a loaded stock model and hooks) is the default;
   a layer-streamed source plugs in through ``source=``.
-- A progress bar shows tokens/s and stored bytes per token; ``CaptureReport`` sums it up.
+- A shard is written (``CacheWriter``, one thread) while the next one is captured. A progress bar
+  shows tokens/s and stored bytes per token; ``CaptureReport`` sums it up.
 
 Not done here: the file format (``outrider.train.cache``), running the model
 (``outrider.train.capture``), training from the cache (``outrider.train.features``).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -98,8 +100,10 @@ def target_identity(target: str, cfg: dict[str, Any], tokenizer: dict[str, Any])
     info = arch_info(cfg)
     keep = {k: v for k, v in cfg.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
                                                        "use_cache", "architectures")}
-    path = resolve(target)
-    weights = None if path.is_file() else TargetWeights(target).fingerprint()
+    try:  # a GGUF file or weights in another container: the cache then names no weights
+        weights = None if resolve(target).is_file() else TargetWeights(target).fingerprint()
+    except UserError:
+        weights = None
     return {"name": str(target), "model_type": info.model_type, "hidden_size": info.hidden_size,
             "num_layers": info.num_layers, "vocab_size": info.vocab_size,
             "config_sha256": hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest(),
@@ -171,15 +175,22 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
         if tuple(source.aux_layer_ids) != tuple(ids) or int(source.hidden_size) != H:
             raise ValueError(f"the source gives aux ids {source.aux_layer_ids} of width {source.hidden_size}, "
                              f"the capture wants {ids} of {H}")
-        with source, Bar(progress, "capture", total, completed=done_tokens,
-                         fields="{tps} tok/s {bpt} B/token") as bar:
+        # shard k+1 is captured while shard k is written (one writer thread, at most one shard waiting)
+        fields = "{tps} tok/s {bpt} B/token"
+        with source, Bar(progress, "capture", total, completed=done_tokens, fields=fields) as bar, \
+                ThreadPoolExecutor(max_workers=1) as pool:
+            pending, new_bytes, new_tokens = None, 0, 0
             for k in todo:
-                rows = [examples[i] for i in plan[k]]
-                captured += _capture_shard(writer, k, rows, splits, source, dtype, block, len(ids))
-                elapsed = time.perf_counter() - t0
-                stored = sum(e["bytes"] for e in writer.shards.values())
-                bar.update(done_tokens + captured, tps=f"{captured / elapsed:,.0f}",
-                           bpt=f"{stored / sum(e['tokens'] for e in writer.shards.values()):,.0f}")
+                shard = _capture_shard([examples[i] for i in plan[k]], splits, source, dtype, block, len(ids), H)
+                if pending is not None:
+                    entry = pending.result()
+                    new_bytes, new_tokens = new_bytes + entry["bytes"], new_tokens + entry["tokens"]
+                pending = pool.submit(writer.write_shard, k, shard)
+                captured += sum(len(e.input_ids) for e in shard)
+                bar.update(done_tokens + captured, tps=f"{captured / (time.perf_counter() - t0):,.0f}",
+                           bpt=f"{new_bytes / new_tokens:,.0f}" if new_tokens else "-")
+            if pending is not None:
+                pending.result()
     elapsed = time.perf_counter() - t0
     stored = sum(e["bytes"] for e in writer.shards.values())
     return CaptureReport(out=str(writer.out), dtype=dtype, shards=len(plan), shards_written=len(todo),
@@ -207,9 +218,9 @@ def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any
     return ModelSource(model, ids, batch_tokens or (32768 if cuda else 4096))
 
 
-def _capture_shard(writer: cache.CacheWriter, k: int, rows: list[tuple[str, int]], splits: dict[str, Any],
-                   source: Any, dtype: str, block: int, n_aux: int) -> int:
-    """Run shard ``k``'s examples through the source, pass by pass, and write the shard. Returns its tokens."""
+def _capture_shard(rows: list[tuple[str, int]], splits: dict[str, Any], source: Any, dtype: str, block: int,
+                   n_aux: int, hidden: int) -> list[cache.Example]:
+    """A shard's examples run through the source, pass by pass, and encoded for storage (on the host)."""
     out: list[cache.Example] = []
     start = 0
     while start < len(rows):
@@ -224,7 +235,7 @@ def _capture_shard(writer: cache.CacheWriter, k: int, rows: list[tuple[str, int]
         if len(states) != len(seqs):
             raise ValueError(f"the source returned {len(states)} results for {len(seqs)} sequences")
         for (s, i), seq, (aux, final) in zip(part, seqs, states):
-            if aux.shape != (len(seq), n_aux * writer.header["target"]["hidden_size"]) or final.shape[0] != len(seq):
+            if aux.shape != (len(seq), n_aux * hidden) or final.shape[0] != len(seq):
                 raise ValueError(f"the source's states of a {len(seq)}-token sequence have shapes "
                                  f"{tuple(aux.shape)} and {tuple(final.shape)}")
             stored = cache.encode(aux, final, splits[s].loss_mask[i], n_aux, dtype, block)
@@ -233,5 +244,4 @@ def _capture_shard(writer: cache.CacheWriter, k: int, rows: list[tuple[str, int]
             out.append(cache.Example(s, i, splits[s].conv_ids[i], splits[s].input_ids[i], splits[s].loss_mask[i],
                                      stored))
         start = end
-    writer.write_shard(k, out)
-    return sum(len(e.input_ids) for e in out)
+    return out

@@ -28,12 +28,16 @@ Contract:
   call**. The graphed forward takes an explicit 4-D mask (causal over real keys, each position
   seeing itself, so no row is empty); larger batches and a capture that fails (noted in
   ``notes``; best effort: a failed capture may leave the allocator's capture state behind) run
-  eager.
+  eager. ``features(batch)`` is the same call on a training ``Batch`` (``outrider.train.features``).
+- The pieces are shared with the cache: ``TeacherHead`` (final states -> the teacher, from a
+  loaded target's ``lm_head`` or from rows read elsewhere), ``decoder_states`` (one hooked
+  forward: aux and final states), and ``ModelSource``, the in-memory hidden-state source of
+  ``outrider.train.cache_capture`` (per-sequence aux and final states, batched by padded tokens).
 
 Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
 of the default model had not finished after eight minutes, and on a tiny float32 target its losses
-drifted from eager by 2.7e-4 relative), storing hidden states offline, quantised targets, tensor- or pipeline-parallel
-targets, target-side logit transforms other than soft-capping (logit scales, temperature).
+drifted from eager by 2.7e-4 relative), writing hidden states to disk (``outrider.train.cache``),
+quantised targets, tensor- or pipeline-parallel targets, target-side logit transforms other than soft-capping (logit scales, temperature).
 """
 
 from __future__ import annotations

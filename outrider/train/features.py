@@ -15,9 +15,9 @@ safetensors (``TargetWeights``). Its cache is ours (``outrider.train.cache``) or
 (``outrider.train.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
 detected from the files. Its examples are addressed by ``Batch.indices``: a split's datasets
 number them ``train`` first, then ``eval``. A cache of another target (config, weights or
-tokenizer), of other aux ids, or without loss tokens is refused with one line. With ``--aux-layers``
-absent, a peer's cache is taken to hold the peers' default layers, ``(2, L//2, L-3)`` in our
-convention (SpecForge's ``[1, L//2-1, L-4]``), which the notes say.
+tokenizer), of other aux ids, or without loss tokens is refused with one line. Without
+``--aux-layers``, a peer's cache is taken to hold the peers' default layers, ``(2, L//2, L-3)`` in
+our convention (SpecForge's ``[1, L//2-1, L-4]``), which the notes say.
 
 Teacher rows a cache does not hold are left zero: the TTT loss reads only the teacher rows of
 positions whose next token is learned, and those are stored.
@@ -34,12 +34,35 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from outrider import models
 from outrider.errors import UserError
-from outrider.models import arch_info, is_dispatched, load_tokenizer, resident_weight
+from outrider.models import arch_info, is_dispatched, load_tokenizer, parse_dtype, resident_weight
 from outrider.train import flops
 from outrider.train.cache import OutriderCache, dequantize
 from outrider.train.capture import Captured, TargetCapture, TeacherHead
-from outrider.train.datasets import Batch, TokenDataset, to_device
+from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
+
+
+def open_target(target: str, data: str | None, cache: str | None, device: torch.device, dtype: Any, loaded: Any,
+                aux_layer_ids: Sequence[int] | None,
+                placement: tuple[Any, Any] = (None, None)) -> "OnlineTarget | CachedTarget":
+    """The target side of a run: ``cache`` read with the target's few tensors, or the target loaded
+    (``loaded``: a model or ``(model, tokenizer)`` already in memory; ``placement``: accelerate's
+    ``(device_map, offload_folder)``) after its ``data`` (a bad directory fails fast)."""
+    if cache is not None:
+        if placement[0] is not None:
+            raise UserError("--cache trains with no forward of the target: drop --device-map")
+        return CachedTarget(cache, target, device, parse_dtype(dtype, device), aux_layer_ids)
+    splits = {"train": load_split(data, "train", required=True), "eval": load_split(data, "eval", required=False)}
+    if loaded is None:
+        model, tokenizer = models.load_model(target, device=device, dtype=dtype, device_map=placement[0],
+                                             offload_folder=placement[1])
+    else:
+        model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
+        model = model.to(device)
+    splits["train"].check_tokenizer(tokenizer)
+    return OnlineTarget(model.eval().requires_grad_(False), splits, device)
 
 
 class OnDevice(torch.nn.Module):
@@ -56,6 +79,8 @@ class OnDevice(torch.nn.Module):
 class OnlineTarget:
     """The target in memory (on ``device``, or placed by accelerate): features from its forward, per batch."""
 
+    aux_layer_ids = None  # any: the hooks capture what the run asks for
+
     def __init__(self, model: torch.nn.Module, splits: dict[str, TokenDataset | None],
                  device: torch.device | None = None):
         self.model = model
@@ -65,6 +90,7 @@ class OnlineTarget:
         if is_dispatched(model) and device is not None:  # embeddings come back to the head's device
             self.embedding = OnDevice(self.embedding, device)
         self.splits = splits
+        self.notes: list[str] = []
 
     def lm_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         lm_head = self.model.get_output_embeddings()

@@ -175,6 +175,7 @@ class StreamedOnline:
         self.embedding = torch.nn.Embedding.from_pretrained(self.weights.embedding().to(device, dtype), freeze=True)
         self.index = [("train", i) for i in range(len(train))] + [("eval", i) for i in range(len(evals or []))]
         self.cursor: PassCursor | None = None
+        self.notes: list[str] = []
 
     def follow(self, cursor: BatchCursor) -> PassCursor:
         self.cursor = PassCursor(cursor)

@@ -4,9 +4,13 @@ Contract:
 - ``train(target, data, out, ...)`` keeps the target in memory (frozen, ``no_grad``; bf16 on
   CUDA) and, per micro-batch, captures its aux states and its logits over the draft vocabulary
   (``outrider.train.capture``), then takes the training-time-test loss of the head
-  (``outrider.train.ttt``). AdamW, linear warmup then cosine decay, gradient clipping, bf16
-  autocast of the head on CUDA, gradient accumulation, periodic evaluation on the eval split;
-  the best head is the one with the highest simulated acceptance length at ``tau_k`` drafts.
+  (``outrider.train.ttt``). ``train(target, None, out, cache=CACHE)`` reads the same features
+  from a hidden-state cache instead, with no forward and no copy of the target beyond its
+  embedding and the lm_head rows of the draft vocabulary (``outrider.train.features``); the
+  loop, the checkpoints and the resume are the same. AdamW, linear warmup then cosine decay,
+  gradient clipping, bf16 autocast of the head on CUDA, gradient accumulation, periodic
+  evaluation on the eval split; the best head is the one with the highest simulated acceptance
+  length at ``tau_k`` drafts.
 - Loss normalisation: each unroll step's soft cross-entropy is averaged over the loss positions
   of the whole global batch (all micro-batches on all ranks: the counts are known from the masks
   before any forward and summed over ranks), so 1 process and N processes with the same global
@@ -57,14 +61,14 @@ Contract:
   step's time (``tokens_per_s``, ``mfu``) runs from the end of the step before, in either mode
   (from its launch after an evaluation or a checkpoint); ``ahead`` marks the steps queued early.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
-  DDP replica of the head and reads its share of each global batch; only rank 0 writes and
-  prints, with barriers around checkpoints. Resuming needs the same number of processes.
+  DDP replica of the head and reads its share of each global batch (from a cache: only the
+  examples of its share); only rank 0 writes and prints, with barriers around checkpoints. Resuming needs the same number of processes.
 - Errors a user can fix (an empty dataset, data of another tokenizer, a vocabulary mismatch,
   resuming without a checkpoint, a non-finite loss) are one-line ``UserError``s raised before
   anything already written is touched.
 
 Not done here: the loss and the mask (``ttt``), the capture (``capture``), the data format
-(``data``), FSDP2 (``dist.shard_head`` is the documented hook), offline hidden-state datasets.
+(``data``), the features' sources (``features``), FSDP2 (``dist.shard_head`` is the documented hook).
 """
 
 from __future__ import annotations
@@ -85,13 +89,14 @@ from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.heads.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
-from outrider.models import arch_info, load_model, load_tokenizer, parse_dtype
+from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.train import checkpoint, dist, flops, soft_ce
-from outrider.train.datasets import BatchCursor, load_split, to_device
-from outrider.train.features import CachedTarget, OnlineTarget
+from outrider.train.datasets import BatchCursor, to_device
+from outrider.train.features import open_target
 from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
 from outrider.train.stream import stream_options
+from outrider.train.stream_train import StreamedOnline
 from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
@@ -178,9 +183,7 @@ class _Trainer:
         self.notes: list[str] = []
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
-        self.target = self._open_target(loaded_target, dtype, cache, placement, stream)
-        self._check_data()
-        self.embedding = self.target.embedding
+        self._open_target(data, cache, dtype, loaded_target, placement, stream)
         self._build_head(init)
         self._build_optimizer()
         self._restore()
@@ -220,39 +223,25 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-    def _open_target(self, loaded: Any, dtype: Any, cache: str | None, placement: tuple[Any, Any],
-                     stream: dict[str, Any] | None) -> Any:
-        """The target side: a cache with the target's few tensors read lazily, the target streamed
-        layer by layer, or the target loaded (after its data: a bad directory fails fast)."""
-        env = self.env
-        if cache is not None:
-            if stream is not None or placement[0] is not None:
-                raise UserError("--cache trains with no forward of the target: drop --stream-layers and --device-map")
-            target = CachedTarget(cache, self.target_name, env.device, parse_dtype(dtype, env.device),
-                                  self.config.aux_layer_ids)
-            self.config = self.config.replace(aux_layer_ids=target.aux_layer_ids)
-            self.notes.extend(target.notes)
-        elif stream is not None:
-            from outrider.train.stream_train import StreamedOnline
-
-            if placement[0] is not None or loaded is not None:
-                raise UserError("--stream-layers streams the target from its files: drop --device-map")
-            if env.distributed:
+    def _open_target(self, data: str | None, cache: str | None, dtype: Any, loaded: Any,
+                     placement: tuple[Any, Any], stream: dict[str, Any] | None) -> None:
+        """The target side (``features``: a cache with the target's few tensors read lazily, the target
+        loaded after its data, or ``stream_train``: streamed layer by layer), its splits and
+        embedding; a cache's or a streamed target's aux ids become the run's."""
+        if stream is not None:
+            if placement[0] is not None or loaded is not None or cache is not None:
+                raise UserError("--stream-layers streams the target from its files: drop --device-map and --cache")
+            if self.env.distributed:
                 raise UserError("--stream-layers trains on one process: run it without torchrun")
-            target = StreamedOnline(self.target_name, self.data, env.device, parse_dtype(dtype, env.device),
-                                    self.config.aux_layer_ids, stream)
-            self.config = self.config.replace(aux_layer_ids=target.aux_layer_ids)
+            self.target = StreamedOnline(self.target_name, data, self.env.device,
+                                         parse_dtype(dtype, self.env.device), self.config.aux_layer_ids, stream)
         else:
-            splits = {"train": load_split(self.data, "train", required=True),
-                      "eval": load_split(self.data, "eval", required=False)}
-            model, tokenizer = self._load_target(loaded, dtype, placement)
-            if tokenizer is not None:
-                splits["train"].check_tokenizer(tokenizer)
-            target = OnlineTarget(model, splits, env.device)
-        self.train_ds, self.eval_ds = target.splits["train"], target.splits["eval"]
-        return target
-
-    def _check_data(self) -> None:
+            self.target = open_target(self.target_name, data, cache, self.env.device, dtype, loaded,
+                                      self.config.aux_layer_ids, placement)
+        self.config = self.config.replace(aux_layer_ids=self.target.aux_layer_ids or self.config.aux_layer_ids)
+        self.notes.extend(self.target.notes)
+        self.train_ds, self.eval_ds = self.target.splits["train"], self.target.splits["eval"]
+        self.embedding = self.target.embedding
         env, cfg = self.env, self.config
         tokens = cfg.batch_tokens > 0
         self.global_batch = 0 if tokens else cfg.batch_size * env.world_size * cfg.grad_accum
@@ -359,18 +348,6 @@ class _Trainer:
         follow = getattr(self.target, "follow", None)  # a streamed target captures the batches ahead
         if follow is not None:
             self.cursor = follow(self.cursor)
-
-    def _load_target(self, loaded: Any, dtype: Any, placement: tuple[Any, Any]):
-        if loaded is None:
-            model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype,
-                                          device_map=placement[0], offload_folder=placement[1])
-            return model.eval().requires_grad_(False), tokenizer  # placed by accelerate, or on the device
-        else:
-            model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(self.target_name)
-            model = model.to(self.env.device)
-        return model.eval().requires_grad_(False), tokenizer
 
     def _load_head_weights(self, directory: Path) -> None:
         saved, saved_cfg = load_head(directory)
