@@ -89,7 +89,8 @@ def cmd_data(a: argparse.Namespace) -> int:
     report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
                            max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
                            server_model=a.server_model, concurrency=a.concurrency,
-                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet)
+                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet,
+                           device_map=a.device_map, offload_folder=a.offload_folder)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -98,6 +99,19 @@ def cmd_train(a: argparse.Namespace) -> int:
     from outrider.train.trainer import train_from_cli
 
     train_from_cli(a)
+    return 0
+
+
+def cmd_capture(a: argparse.Namespace) -> int:
+    from outrider.train.cache_capture import capture_cache
+
+    from outrider.train.stream import streamed_source
+
+    report = capture_cache(a.target, a.data, a.out, dtype=a.dtype, aux_layer_ids=a.aux_layers,
+                           max_tokens_per_shard=a.max_tokens_per_shard, device=a.device, progress=not a.quiet,
+                           device_map=a.device_map, offload_folder=a.offload_folder,
+                           source=streamed_source(a.target, a.aux_layers, a))
+    print(report.summary())
     return 0
 
 
@@ -134,6 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     def runtime(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         sp.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+
+    def placement(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--device-map", default=None, metavar="M",
+                        help="place the target through accelerate: auto | balanced | a JSON object or file "
+                             '{"module": device} (GPU index, "cpu", "disk")')
+        sp.add_argument("--offload-folder", default=None, metavar="DIR",
+                        help="where --device-map offloads weights to disk (default: a temporary folder)")
+
+    def streaming(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--stream-layers", action="store_true",
+                        help="never load the target whole: stream it one decoder layer at a time from its safetensors "
+                             "(INT4 compressed-tensors experts dequantized on the GPU), a pass of many tokens per layer")
+        sp.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                        help="with --stream-layers: device memory to use (default: what is free)")
+        sp.add_argument("--tokens-per-pass", type=int, default=None, metavar="N",
+                        help="with --stream-layers: tokens per pass through the weights (default 262144 on CUDA)")
 
     def decoding(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--method", default="ar", help="ar | ngram | draft | eagle3")
@@ -203,11 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0,
                     help="with --regenerate: sample the target's replies at this temperature (0: greedy)")
     sp.add_argument("--quiet", action="store_true")
+    placement(sp)
     sp.set_defaults(fn=cmd_data)
 
     sp = sub.add_parser("train", help="train an EAGLE-3 head")
     sp.add_argument("target")
-    sp.add_argument("--data", required=True, help="a token dataset folder written by 'outrider data'")
+    sp.add_argument("--data", default=None, help="a token dataset folder written by 'outrider data'")
+    sp.add_argument("--cache", default=None, help="train from a hidden-state cache instead of --data, with no forward "
+                    "of the target: 'outrider capture' output, or SpecForge's or speculators' hidden states")
     sp.add_argument("--out", required=True, help="run folder: metrics.jsonl, last/ (resumable), head/ (best)")
     sp.add_argument("--preset", default=None, choices=["quick", "full"],
                     help="quick: minutes on a 2-core CPU; full: one GPU, stops after 8 minutes of training "
@@ -222,7 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
+    placement(sp)
+    streaming(sp)
     sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("capture", help="hidden states for training, written once to a sharded, resumable cache")
+    sp.add_argument("target")
+    sp.add_argument("--data", required=True, help="a token dataset folder written by 'outrider data'")
+    sp.add_argument("--out", required=True, help="the cache folder (rerun the same command to resume it)")
+    sp.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "float32"],
+                    help="stored values; fp8: float8_e4m3fn with one float32 scale per token row and state")
+    sp.add_argument("--aux-layers", type=_ints, default=None, help="aux layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
+    sp.add_argument("--max-tokens-per-shard", type=int, default=None, help="default: about 1 GiB of states per shard")
+    sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    sp.add_argument("--quiet", action="store_true")
+    placement(sp)
+    streaming(sp)
+    sp.set_defaults(fn=cmd_capture)
 
     sp = sub.add_parser("export", help="servable checkpoint + launch commands")
     sp.add_argument("draft")

@@ -11,7 +11,12 @@ Contract:
   for each requested id ``j`` (= Hugging Face ``output_hidden_states[j]``). No modeling file is
   forked; the hooks work for any model whose decoder layers sit in ``model.model.layers``.
 
-Not done here: quantised (INT4/FP8) loading, tensor parallelism, downloading from a hub.
+- ``load_model(..., device_map=...)`` places a target through accelerate (several GPUs, CPU and
+  disk offload); ``resident_weight`` reads an offloaded parameter, ``input_device`` says where
+  the ids go.
+
+Not done here: quantised (INT4/FP8) loading (layer streaming, ``outrider.train.stream``, reads
+INT4 checkpoints), tensor parallelism, downloading from a hub.
 """
 
 from __future__ import annotations
@@ -217,9 +222,79 @@ def load_tokenizer(spec: str | Path):
         raise UserError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
 
 
+DEVICE_MAP_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def parse_device_map(text: str | dict | None) -> str | dict | None:
+    """``--device-map``: ``auto``, ``balanced`` (also ``balanced_low_0``, ``sequential``), a JSON
+    object ``{"module name": device}`` (devices: a GPU index, ``"cuda:1"``, ``"cpu"``, ``"disk"``)
+    or a file holding one. Returned as accelerate takes it."""
+    if text is None or isinstance(text, dict):
+        return text
+    text = str(text).strip()
+    if text in DEVICE_MAP_NAMES:
+        return text
+    source = text
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise UserError(f"--device-map '{text}' is neither {', '.join(DEVICE_MAP_NAMES)}, a JSON object nor a "
+                            "JSON file")
+        source = path.read_text()
+    try:
+        mapping = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--device-map is not valid JSON: {e}") from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise UserError("--device-map JSON must be an object {\"module name\": device, ...}")
+    for name, dev in mapping.items():
+        ok = isinstance(dev, int) or (isinstance(dev, str) and (dev in ("cpu", "disk", "meta") or dev.startswith(
+            ("cuda", "xpu", "mps"))))
+        if not ok:
+            raise UserError(f"--device-map: '{name}' maps to {dev!r}; use a GPU index, 'cuda:N', 'cpu' or 'disk'")
+    return mapping
+
+
+def is_dispatched(model: torch.nn.Module) -> bool:
+    """Was ``model`` placed by accelerate (``device_map``) rather than moved whole to one device?"""
+    return bool(getattr(model, "hf_device_map", None))
+
+
+def resident_weight(module: torch.nn.Module, name: str = "weight") -> torch.Tensor:
+    """``module.<name>`` as a real tensor, also when accelerate offloaded it (meta + its hook's weights)."""
+    tensor = getattr(module, name)
+    if tensor.device.type != "meta":
+        return tensor
+    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    if weights is None:
+        raise UserError(f"{type(module).__name__}.{name} is on the meta device with no offloaded copy: the model "
+                        "was not fully loaded")
+    return weights[name]
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's input ids go: the device of its first parameter, or for a dispatched model
+    the device its embedding executes on (offloaded embeddings take their inputs on the CPU)."""
+    if is_dispatched(model):
+        embed = model.get_input_embeddings()
+        hook = getattr(embed, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        weight = embed.weight
+        return weight.device if weight.device.type != "meta" else torch.device("cpu")
+    return next(model.parameters()).device
+
+
 def load_model(spec: str | Path, device: torch.device | str | None = None,
-               dtype: str | torch.dtype | None = None, with_tokenizer: bool = True):
-    """Load a causal LM for inference. Returns ``(model, tokenizer or None)``."""
+               dtype: str | torch.dtype | None = None, with_tokenizer: bool = True,
+               device_map: str | dict | None = None, offload_folder: str | Path | None = None):
+    """Load a causal LM for inference. Returns ``(model, tokenizer or None)``.
+
+    ``device_map`` (``parse_device_map``): placed by accelerate across GPUs, the CPU and the disk
+    (``offload_folder``, a temporary folder removed at exit when not given) instead of moved whole
+    to ``device``; the dtype then defaults to ``device``'s.
+    """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -227,6 +302,11 @@ def load_model(spec: str | Path, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = parse_dtype(dtype, device)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    device_map = parse_device_map(device_map)
+    if device_map is not None:
+        _check_map_devices(device_map)
+        kwargs["device_map"] = device_map
+        kwargs["offload_folder"] = str(offload_folder) if offload_folder is not None else _temporary_offload_folder()
     try:
         if path.is_file():
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
@@ -236,11 +316,34 @@ def load_model(spec: str | Path, device: torch.device | str | None = None,
         raise UserError(f"cannot read the weights of {path}: {e} (the file is corrupt or truncated)") from None
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first if len(first) <= 300 else first[:300] + "..."
         raise UserError(f"cannot load the model at {path}: {first}") from None
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     tokenizer = load_tokenizer(spec) if with_tokenizer else None
     return model, tokenizer
+
+
+def _check_map_devices(device_map: str | dict) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    values = device_map.values() if isinstance(device_map, dict) else ()
+    for dev in values:
+        index = dev if isinstance(dev, int) else (int(dev.split(":")[1]) if str(dev).startswith("cuda:")
+                                                  else 0 if dev == "cuda" else None)
+        if index is not None and index >= gpus:
+            raise UserError(f"--device-map places modules on GPU {index}, but this machine has {gpus} GPU(s)")
+
+
+def _temporary_offload_folder() -> str:
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="outrider-offload-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -308,8 +411,10 @@ class AuxCapture:
         return hook
 
     def concat(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The captured states in the given id order, [batch, seq, n*hidden] (into ``out`` if given)."""
-        return torch.cat([self.states[j] for j in self.layer_ids], dim=-1, out=out)
+        """The captured states in the given id order, [batch, seq, n*hidden] (into ``out`` if given;
+        layers placed on several devices: on ``out``'s, else the first state's)."""
+        device = out.device if out is not None else self.states[self.layer_ids[0]].device
+        return torch.cat([self.states[j].to(device) for j in self.layer_ids], dim=-1, out=out)
 
     def close(self) -> None:
         for h in self._handles:

@@ -14,8 +14,9 @@ Contract:
     config has one). Row ``t`` is the target's prediction of token ``t+1``. Consumers
     renormalise over the draft vocabulary (``log_softmax``), as ``outrider.train.ttt`` does.
   Full-vocabulary logits are never computed: the decoder runs without its ``lm_head``.
-- Both tensors are in the target's dtype and on its device. Nothing goes to disk; the target
-  stays in memory and the hooks stay attached until ``close()``.
+- Both tensors are in the target's dtype and on its device (``device``, for a target placed
+  across devices by accelerate). Nothing goes to disk; the target stays in memory and the hooks
+  stay attached until ``close()``.
 - Padding: ``attention_mask`` [batch, seq] (1 = real token) is passed through, with position
   ids counted over the real tokens (so left and right padding both work). Values at padded
   positions are meaningless and must be masked by the consumer.
@@ -27,12 +28,16 @@ Contract:
   call**. The graphed forward takes an explicit 4-D mask (causal over real keys, each position
   seeing itself, so no row is empty); larger batches and a capture that fails (noted in
   ``notes``; best effort: a failed capture may leave the allocator's capture state behind) run
-  eager.
+  eager. ``features(batch)`` is the same call on a training ``Batch`` (``outrider.train.features``).
+- The pieces are shared with the cache: ``TeacherHead`` (final states -> the teacher, from a
+  loaded target's ``lm_head`` or from rows read elsewhere), ``decoder_states`` (one hooked
+  forward: aux and final states), and ``ModelSource``, the in-memory hidden-state source of
+  ``outrider.train.cache_capture`` (per-sequence aux and final states, batched by padded tokens).
 
 Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
 of the default model had not finished after eight minutes, and on a tiny float32 target its losses
-drifted from eager by 2.7e-4 relative), storing hidden states offline, quantised targets, tensor- or pipeline-parallel
-targets, target-side logit transforms other than soft-capping (logit scales, temperature).
+drifted from eager by 2.7e-4 relative), writing hidden states to disk (``outrider.train.cache``),
+quantised targets, tensor- or pipeline-parallel targets, target-side logit transforms other than soft-capping (logit scales, temperature).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider.decode.graphs import capture_graph, graphable
-from outrider.models import AuxCapture
+from outrider.models import AuxCapture, input_device, is_dispatched, resident_weight
 
 
 @dataclass
@@ -65,23 +70,77 @@ def context_mask(real: torch.Tensor) -> torch.Tensor:
     return (eye | (torch.ones_like(eye).tril() & real[:, None, :]))[:, None]
 
 
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[batch, S] 0/1 -> [batch, 1, S, S] additive mask in ``dtype``. Given to the model as is, it
+    spares transformers' check of a 2-D mask for padding, a host round trip."""
+    B, S = attention_mask.shape
+    return torch.zeros(B, 1, S, S, dtype=dtype, device=attention_mask.device).masked_fill_(
+        ~context_mask(attention_mask.bool()), torch.finfo(dtype).min)
+
+
+def decoder_states(decoder: torch.nn.Module, aux_capture: AuxCapture, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a stock decoder (its ``lm_head`` left out) with ``aux_capture``'s hooks on:
+    (aux [batch, seq, n_aux*H_t], final [batch, seq, H_t] after the final norm)."""
+    out = decoder(input_ids=input_ids, attention_mask=additive_mask(attention_mask, dtype),
+                  position_ids=real_positions(attention_mask), use_cache=False)
+    return aux_capture.concat(), out.last_hidden_state
+
+
+class TeacherHead:
+    """The frozen ``lm_head`` rows of the draft vocabulary: final states -> the target's logits on the
+    draft vocabulary (bias and final soft-capping included, as the target applies them)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight = weight  # [draft_vocab, H_t]
+        self.bias = bias  # [draft_vocab] or None
+        self.softcap = softcap
+
+    @classmethod
+    def of(cls, target: torch.nn.Module, draft_ids: Any, device: torch.device | str | None = None) -> "TeacherHead":
+        """The rows ``draft_ids`` (or a ``DraftVocab``'s) of a loaded target's ``lm_head``, on ``device``
+        (default: the lm_head's; offloaded by accelerate: read from its offloaded copy)."""
+        lm_head = target.get_output_embeddings()
+        weight = resident_weight(lm_head)
+        device = torch.device(device) if device is not None else weight.device
+        ids = torch.as_tensor(getattr(draft_ids, "draft_ids", draft_ids), dtype=torch.long, device=weight.device)
+        bias = None if getattr(lm_head, "bias", None) is None else resident_weight(lm_head, "bias")
+        return cls(weight.detach().index_select(0, ids).to(device),
+                   None if bias is None else bias.detach().index_select(0, ids).to(device),
+                   getattr(target.config, "final_logit_softcapping", None))
+
+    def into(self, final: torch.Tensor, teacher: torch.Tensor) -> None:
+        """final [..., H_t] -> teacher [..., draft_vocab], written in place."""
+        rows = teacher.view(-1, teacher.shape[-1])  # [N, draft_vocab]
+        final = final.reshape(-1, final.shape[-1])  # [N, H_t]
+        if self.bias is not None:
+            torch.addmm(self.bias, final, self.weight.t(), out=rows)
+        else:
+            torch.mm(final, self.weight.t(), out=rows)
+        if self.softcap:
+            rows.div_(self.softcap).tanh_().mul_(self.softcap)
+
+    def __call__(self, final: torch.Tensor) -> torch.Tensor:
+        """final [N, H_t] -> logits [N, draft_vocab]."""
+        teacher = final.new_empty(final.shape[0], self.weight.shape[0])
+        self.into(final, teacher)
+        return teacher
+
+
 class TargetCapture:
     """A frozen target bound for capture; call it on batches, ``close()`` it when done."""
 
     def __init__(self, target: torch.nn.Module, aux_layer_ids: Sequence[int], draft_ids: Any,
-                 graphs: bool = False, max_tokens: int = 0):
+                 graphs: bool = False, max_tokens: int = 0, device: torch.device | str | None = None):
         # draft_ids: [draft_vocab] target ids (or a ``DraftVocab``, whose ``draft_ids`` are used)
+        # device: where the outputs go (default: lm_head's; a target placed by accelerate: give it)
         self.target = target.eval().requires_grad_(False)
         self.decoder = target.get_decoder()
         self.aux_capture = AuxCapture(target, aux_layer_ids)
-        lm_head = target.get_output_embeddings()
-        ids = torch.as_tensor(getattr(draft_ids, "draft_ids", draft_ids), dtype=torch.long,
-                              device=lm_head.weight.device)
-        self.weight = lm_head.weight.detach().index_select(0, ids)  # [draft_vocab, H_t]
-        bias = getattr(lm_head, "bias", None)
-        self.bias = None if bias is None else bias.detach().index_select(0, ids)  # [draft_vocab]
-        self.softcap = getattr(target.config, "final_logit_softcapping", None)
-        self.graphs = bool(graphs) and max_tokens > 0 and self.weight.is_cuda and graphable(target)
+        self.teacher = TeacherHead.of(target, draft_ids, device)
+        self.weight = self.teacher.weight  # [draft_vocab, H_t]
+        self.graphs = (bool(graphs) and max_tokens > 0 and self.weight.is_cuda and graphable(target)
+                       and not is_dispatched(target))
         self.max_tokens = max_tokens
         self.notes: list[str] = []
         self._graphs: dict[tuple[int, int], tuple] = {}  # (batch, seq) -> graph, its inputs, its outputs
@@ -106,33 +165,19 @@ class TargetCapture:
         return Captured(aux=aux, teacher=teacher)
 
     def _additive_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[batch, S] 0/1 -> [batch, 1, S, S] additive mask in the weights' dtype. Given to the
-        model as is, it spares transformers' check of a 2-D mask for padding, a host round trip."""
-        dtype = self.weight.dtype
-        B, S = attention_mask.shape
-        return torch.zeros(B, 1, S, S, dtype=dtype, device=attention_mask.device).masked_fill_(
-            ~context_mask(attention_mask.bool()), torch.finfo(dtype).min)
+        return additive_mask(attention_mask, self.weight.dtype)
+
+    def features(self, batch: Any) -> Captured:
+        """The features of a training ``Batch`` (``input_ids``, ``attention_mask``), as every feature
+        source gives them (``outrider.train.features``)."""
+        return self(batch.input_ids, batch.attention_mask)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.decoder(input_ids=input_ids, attention_mask=self._additive_mask(attention_mask),
-                           position_ids=real_positions(attention_mask), use_cache=False)
-        final = out.last_hidden_state  # [batch, seq, H_t], after the final norm
-        aux = self.aux_capture.concat()  # [batch, seq, 3*H_t]
+        aux, final = decoder_states(self.decoder, self.aux_capture, input_ids, attention_mask, self.weight.dtype)
+        aux, final = aux.to(self.weight.device), final.to(self.weight.device)  # placed by accelerate: one device
         teacher = final.new_empty(*final.shape[:2], self.weight.shape[0])  # [batch, seq, draft_vocab]
-        self._teacher_into(final, teacher)
+        self.teacher.into(final, teacher)
         return aux, teacher
-
-    def _teacher_into(self, final: torch.Tensor, teacher: torch.Tensor) -> None:
-        """The target's logits on the draft vocabulary: final [batch, seq, H_t] -> teacher [batch, seq,
-        draft_vocab], written in place (bias and soft-capping included)."""
-        rows = teacher.view(-1, teacher.shape[-1])  # [batch*seq, draft_vocab]
-        final = final.reshape(-1, final.shape[-1])  # [batch*seq, H_t]
-        if self.bias is not None:
-            torch.addmm(self.bias, final, self.weight.t(), out=rows)
-        else:
-            torch.mm(final, self.weight.t(), out=rows)
-        if self.softcap:
-            rows.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def write_into(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux: torch.Tensor,
                    teacher: torch.Tensor) -> None:
@@ -144,7 +189,7 @@ class TargetCapture:
             self.aux_capture.concat(out=aux)
         finally:
             self.aux_capture.states.clear()
-        self._teacher_into(out.last_hidden_state, teacher)
+        self.teacher.into(out.last_hidden_state, teacher)
 
     def _replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Captured:
         key = (int(input_ids.shape[0]), int(input_ids.shape[1]))
@@ -195,3 +240,57 @@ def capture(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     """One-shot ``TargetCapture`` (hooks attached for this call only)."""
     with TargetCapture(target, aux_layer_ids, draft_ids) as cap:
         return cap(input_ids, attention_mask)
+
+
+class ModelSource:
+    """The in-memory hidden-state source of ``outrider.train.cache_capture``: a stock model and
+    ``AuxCapture`` hooks. ``states(input_ids)`` runs the sequences (sorted by length, right-padded)
+    in batches of at most ``batch_tokens`` padded tokens and returns each one's
+    (aux [len, n_aux*H_t], final [len, H_t] after the final norm), on the model's device."""
+
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int], batch_tokens: int = 4096):
+        self.model = model.eval().requires_grad_(False)
+        self.decoder = model.get_decoder()
+        self.aux = AuxCapture(model, aux_layer_ids, attach=False)
+        self.aux_layer_ids = self.aux.layer_ids
+        self.hidden_size = int(model.config.get_text_config().hidden_size)
+        self.batch_tokens = int(batch_tokens)
+        self.pass_tokens = 4 * self.batch_tokens  # tokens the capture hands over per call
+        self.device, self.dtype = input_device(model), model.dtype  # placed by accelerate: where the ids go
+
+    @torch.no_grad()
+    def states(self, input_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(input_ids)
+        order = sorted(range(len(input_ids)), key=lambda i: len(input_ids[i]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * len(input_ids[order[end]]) <= self.batch_tokens:
+                end += 1
+            group = order[start:end]
+            width = len(input_ids[group[-1]])
+            ids = torch.zeros(len(group), width, dtype=torch.long)  # [batch, seq]
+            mask = torch.zeros(len(group), width, dtype=torch.long)  # [batch, seq]
+            for b, i in enumerate(group):
+                ids[b, :len(input_ids[i])] = torch.as_tensor(input_ids[i])
+                mask[b, :len(input_ids[i])] = 1
+            with self.aux.attached():
+                try:
+                    aux, final = decoder_states(self.decoder, self.aux, ids.to(self.device), mask.to(self.device),
+                                                self.dtype)
+                finally:
+                    self.aux.states.clear()
+            for b, i in enumerate(group):
+                n = len(input_ids[i])
+                out[i] = (aux[b, :n], final[b, :n])
+            start = end
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.aux.close()
+
+    def __enter__(self) -> "ModelSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

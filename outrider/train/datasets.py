@@ -96,8 +96,9 @@ class Batch:
     indices: torch.Tensor  # [batch] int64, example indices in the dataset
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return Batch(*(to_device(t, device, non_blocking)
-                       for t in (self.input_ids, self.attention_mask, self.loss_mask, self.indices)))
+        """The token tensors on ``device``; ``indices`` stay on the host (bookkeeping, read there)."""
+        return Batch(*(to_device(t, device, non_blocking) for t in (self.input_ids, self.attention_mask,
+                                                                     self.loss_mask)), self.indices)
 
     def cut(self, max_length: int) -> "Batch":
         """The first ``max_length`` positions of every row."""
@@ -427,3 +428,7 @@ class BatchCursor:
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed}
+
+    def epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        """The global batches (example indices, all ranks) of ``epoch``, in order."""
+        return self._plan if epoch == self.epoch else self._epoch_plan(epoch)

@@ -146,13 +146,17 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
                   server_model: str | None = None, concurrency: int = 8, max_new_tokens: int = 256,
                   progress: bool = True, generate_fn: GenerateFn | None = None, temperature: float = 0.0, *,
                   shard_rows: int = 8192, retries: int = 5, backoff: float = 1.0,
-                  timeout: float = 300.0) -> DataReport:
+                  timeout: float = 300.0, device_map: str | dict | None = None,
+                  offload_folder: str | None = None) -> DataReport:
     """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
     from outrider.models import load_tokenizer, resolve
 
     _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
     if server and not regenerate:
         raise UserError("--server is only used to regenerate responses: add --regenerate")
+    if device_map is not None and (server or not regenerate):
+        raise UserError("--device-map places the target for local regeneration: use it with --regenerate and "
+                        "without --server")
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise UserError(f"--temperature must be a number >= 0, got {temperature}")
     if temperature and not regenerate:
@@ -174,7 +178,8 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         conversations, regen_info = regenerate_conversations(
             conversations, tokenizer, target, model_path, end, fingerprint["chat_template_hash"], out_path,
             server, server_model, concurrency, max_new_tokens, max_length, progress, generate_fn,
-            dict(timeout=timeout, retries=retries, backoff=backoff), dropped, float(temperature), seed)
+            dict(timeout=timeout, retries=retries, backoff=backoff), dropped, float(temperature), seed,
+            placement=(device_map, offload_folder))
         conversations = without_control_text(conversations, controls, dropped)
         regen_info["conversations"] = len(conversations)
 

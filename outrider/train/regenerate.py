@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from outrider.decode.sampling import derived_seed
+from outrider.models import input_device
 from outrider.progress import Bar
 from outrider.train.conversations import Conversation, Dropped
 from outrider.train.template import encode, render
@@ -115,7 +116,7 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         nonlocal batches
-        device = next(model.parameters()).device
+        device = input_device(model)
         cuda = device.type == "cuda"
         index = torch.cuda.current_device() if cuda and device.index is None else device.index
         out: list[list[int]] = [[] for _ in prompts]
@@ -276,7 +277,8 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
                 template_hash: str, out_path: Path, server: str | None, server_model: str | None,
                 concurrency: int, max_new_tokens: int, max_length: int, progress: bool,
                 generate_fn: GenerateFn | None, client_options: dict[str, Any],
-                dropped: Counter, temperature: float = 0.0, seed: int = 0) -> tuple[list[Conversation], dict[str, Any]]:
+                dropped: Counter, temperature: float = 0.0, seed: int = 0,
+                placement: tuple[Any, Any] = (None, None)) -> tuple[list[Conversation], dict[str, Any]]:
     """Replace assistant turns with the target's replies; cached conversations are not regenerated."""
     if generate_fn is not None:
         fn_t, fn_seed = float(getattr(generate_fn, "temperature", 0.0)), getattr(generate_fn, "seed", 0)
@@ -313,7 +315,8 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
                 if generate_fn is None:
                     from outrider.models import load_model
 
-                    model, _ = load_model(target, with_tokenizer=False)
+                    model, _ = load_model(target, with_tokenizer=False, device_map=placement[0],
+                                          offload_folder=placement[1])
                     generate_fn = hf_generate_fn(model, pad_id(tokenizer, end), end, temperature=temperature,
                                                  seed=seed)
                 results.update(_regen_local(todo, tokenizer, generate_fn, max_new_tokens, max_length, end,

@@ -4,9 +4,13 @@ Contract:
 - ``train(target, data, out, ...)`` keeps the target in memory (frozen, ``no_grad``; bf16 on
   CUDA) and, per micro-batch, captures its aux states and its logits over the draft vocabulary
   (``outrider.train.capture``), then takes the training-time-test loss of the head
-  (``outrider.train.ttt``). AdamW, linear warmup then cosine decay, gradient clipping, bf16
-  autocast of the head on CUDA, gradient accumulation, periodic evaluation on the eval split;
-  the best head is the one with the highest simulated acceptance length at ``tau_k`` drafts.
+  (``outrider.train.ttt``). ``train(target, None, out, cache=CACHE)`` reads the same features
+  from a hidden-state cache instead, with no forward and no copy of the target beyond its
+  embedding and the lm_head rows of the draft vocabulary (``outrider.train.features``); the
+  loop, the checkpoints and the resume are the same. AdamW, linear warmup then cosine decay,
+  gradient clipping, bf16 autocast of the head on CUDA, gradient accumulation, periodic
+  evaluation on the eval split; the best head is the one with the highest simulated acceptance
+  length at ``tau_k`` drafts.
 - Loss normalisation: each unroll step's soft cross-entropy is averaged over the loss positions
   of the whole global batch (all micro-batches on all ranks: the counts are known from the masks
   before any forward and summed over ranks), so 1 process and N processes with the same global
@@ -57,14 +61,14 @@ Contract:
   step's time (``tokens_per_s``, ``mfu``) runs from the end of the step before, in either mode
   (from its launch after an evaluation or a checkpoint); ``ahead`` marks the steps queued early.
 - Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
-  DDP replica of the head and reads its share of each global batch; only rank 0 writes and
-  prints, with barriers around checkpoints. Resuming needs the same number of processes.
+  DDP replica of the head and reads its share of each global batch (from a cache: only the
+  examples of its share); only rank 0 writes and prints, with barriers around checkpoints. Resuming needs the same number of processes.
 - Errors a user can fix (an empty dataset, data of another tokenizer, a vocabulary mismatch,
   resuming without a checkpoint, a non-finite loss) are one-line ``UserError``s raised before
   anything already written is touched.
 
 Not done here: the loss and the mask (``ttt``), the capture (``capture``), the data format
-(``data``), FSDP2 (``dist.shard_head`` is the documented hook), offline hidden-state datasets.
+(``data``), the features' sources (``features``), FSDP2 (``dist.shard_head`` is the documented hook).
 """
 
 from __future__ import annotations
@@ -85,12 +89,14 @@ from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.heads.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
-from outrider.models import arch_info, load_model, load_tokenizer
+from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.train import checkpoint, dist, flops, soft_ce
-from outrider.train.capture import TargetCapture
-from outrider.train.datasets import BatchCursor, load_split, to_device
+from outrider.train.datasets import BatchCursor, to_device
+from outrider.train.features import open_target
 from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
+from outrider.train.stream import stream_options
+from outrider.train.stream_train import StreamedOnline
 from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
@@ -116,12 +122,14 @@ def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float
 # The trainer
 
 
-def train(target: str, data: str, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
+def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
           init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
           dtype: str | torch.dtype | None = None, max_steps: int | None = None,
-          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None
-          ) -> TrainReport:
-    """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` into ``out``.
+          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
+          cache: str | None = None, device_map: str | dict | None = None, offload_folder: str | None = None,
+          stream: dict[str, Any] | None = None) -> TrainReport:
+    """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
+    with no forward of the target: ``outrider.train.features``) into ``out``.
 
     preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
     config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
@@ -131,11 +139,19 @@ def train(target: str, data: str, out: str, preset: str | None = None, config: T
     max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
     aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
+    cache:         a hidden-state cache (ours, SpecForge's or speculators'), instead of ``data``
+    device_map:    place the target through accelerate (``outrider.models.parse_device_map``: several
+                   GPUs, CPU and disk offload into ``offload_folder``); the head stays on ``device``
+    stream:        stream the target layer by layer instead of loading it (``StreamedTarget``'s
+                   options: ``gpu_memory``, ``tokens_per_pass``, ``packing``): each pass of upcoming
+                   examples is captured, then trained on (``outrider.train.stream_train``)
     """
+    if (data is None) == (cache is None):
+        raise UserError("give either --data (a token dataset) or --cache (a hidden-state cache), not both")
     env = dist.init_from_env(device)
     try:
         return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
-                        progress, loaded_target).run()
+                        progress, loaded_target, cache, (device_map, offload_folder), stream).run()
     finally:
         dist.shutdown(env)
 
@@ -144,7 +160,9 @@ def train_from_cli(args: Any) -> TrainReport:
     """``outrider train``: the CLI's namespace -> ``train``; rank 0 prints the summary."""
     report = train(args.target, args.data, args.out, preset=args.preset, config=args.config, init=args.init,
                    resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
-                   aux_layer_ids=args.aux_layers, progress=not args.quiet)
+                   aux_layer_ids=args.aux_layers, progress=not args.quiet, cache=getattr(args, "cache", None),
+                   device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None),
+                   stream=stream_options(args))
     if report.rank == 0:
         print(report.summary())
     return report
@@ -153,9 +171,11 @@ def train_from_cli(args: Any) -> TrainReport:
 class _Trainer:
     def __init__(self, env: dist.DistEnv, target: str, data: str, out: str, preset: str | None,
                  config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
-                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any):
+                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
+                 cache: str | None = None, placement: tuple[Any, Any] = (None, None),
+                 stream: dict[str, Any] | None = None):
         self.t_start = time.perf_counter()
-        self.env, self.target_name, self.data, self.init = env, str(target), str(data), init
+        self.env, self.target_name, self.data, self.init = env, str(target), str(cache or data), init
         self.out = Path(out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
         self.metrics_path = self.out / "metrics.jsonl"
@@ -163,11 +183,7 @@ class _Trainer:
         self.notes: list[str] = []
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
-        self._load_data()  # before the target: a bad directory fails fast
-        self.model, tokenizer = self._load_target(loaded_target, dtype)
-        if tokenizer is not None:
-            self.train_ds.check_tokenizer(tokenizer)
-        self.embedding = self.model.get_input_embeddings()
+        self._open_target(data, cache, dtype, loaded_target, placement, stream)
         self._build_head(init)
         self._build_optimizer()
         self._restore()
@@ -207,10 +223,26 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-    def _load_data(self) -> None:
+    def _open_target(self, data: str | None, cache: str | None, dtype: Any, loaded: Any,
+                     placement: tuple[Any, Any], stream: dict[str, Any] | None) -> None:
+        """The target side (``features``: a cache with the target's few tensors read lazily, the target
+        loaded after its data, or ``stream_train``: streamed layer by layer), its splits and
+        embedding; a cache's or a streamed target's aux ids become the run's."""
+        if stream is not None:
+            if placement[0] is not None or loaded is not None or cache is not None:
+                raise UserError("--stream-layers streams the target from its files: drop --device-map and --cache")
+            if self.env.distributed:
+                raise UserError("--stream-layers trains on one process: run it without torchrun")
+            self.target = StreamedOnline(self.target_name, data, self.env.device,
+                                         parse_dtype(dtype, self.env.device), self.config.aux_layer_ids, stream)
+        else:
+            self.target = open_target(self.target_name, data, cache, self.env.device, dtype, loaded,
+                                      self.config.aux_layer_ids, placement)
+        self.config = self.config.replace(aux_layer_ids=self.target.aux_layer_ids or self.config.aux_layer_ids)
+        self.notes.extend(self.target.notes)
+        self.train_ds, self.eval_ds = self.target.splits["train"], self.target.splits["eval"]
+        self.embedding = self.target.embedding
         env, cfg = self.env, self.config
-        self.train_ds = load_split(self.data, "train", required=True)
-        self.eval_ds = load_split(self.data, "eval", required=False)
         tokens = cfg.batch_tokens > 0
         self.global_batch = 0 if tokens else cfg.batch_size * env.world_size * cfg.grad_accum
         self.global_batch_tokens = cfg.batch_tokens * env.world_size * cfg.grad_accum
@@ -222,7 +254,7 @@ class _Trainer:
 
     def _build_head(self, init: str | None) -> None:
         """The draft vocabulary and the head: fresh, fine-tuned from ``init``, or the checkpoint's."""
-        cfg, target_cfg = self.config, self.model.config
+        cfg, target_cfg = self.config, self.target.config
         vocab_size = arch_info(target_cfg).vocab_size
         init_head = None
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
@@ -316,16 +348,9 @@ class _Trainer:
             if self.step >= self.stop_at:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
-
-    def _load_target(self, loaded: Any, dtype: Any):
-        if loaded is None:
-            model, tokenizer = load_model(self.target_name, device=self.env.device, dtype=dtype)
-        else:
-            model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(self.target_name)
-            model = model.to(self.env.device)
-        return model.eval().requires_grad_(False), tokenizer
+        follow = getattr(self.target, "follow", None)  # a streamed target captures the batches ahead
+        if follow is not None:
+            self.cursor = follow(self.cursor)
 
     def _load_head_weights(self, directory: Path) -> None:
         saved, saved_cfg = load_head(directory)
@@ -340,12 +365,10 @@ class _Trainer:
         The head then starts by reading its hidden state the way the target reads its last one,
         which shortens training; the rest stays randomly initialised.
         """
-        lm_head = self.model.get_output_embeddings()
-        if lm_head is not None and tuple(lm_head.weight.shape[1:]) == (self.head.config.hidden_size,):
-            rows = lm_head.weight.detach().index_select(0, self.vocab.draft_ids.to(lm_head.weight.device))
+        rows = self.target.lm_rows(self.vocab.draft_ids)
+        if rows is not None and tuple(rows.shape[1:]) == (self.head.config.hidden_size,):
             self.head.lm_head.weight.copy_(rows.float().cpu())
-        norm = getattr(self.model.get_decoder(), "norm", None)
-        weight = getattr(norm, "weight", None)
+        weight = self.target.norm_weight()
         if weight is not None and tuple(weight.shape) == tuple(self.head.norm.weight.shape):
             self.head.norm.weight.copy_(weight.detach().float().cpu())
 
@@ -390,11 +413,9 @@ class _Trainer:
             raise UserError(f"the --init head does not fit this target ({diff}): train from scratch instead")
 
     def _target_flops_per_token(self) -> float:
-        """Matmul FLOPs per token of one forward (``flops``): the decoder's weights, routed experts
-        at their top-k share, and the draft rows of lm_head."""
-        return flops.target_flops_per_token(self.model.get_decoder(), self.embedding.parameters(),
-                                            self.head.config.target_hidden_size * self.vocab.draft_vocab_size,
-                                            self.model.config)
+        """Matmul FLOPs per token on the target's side (``flops``): online, its forward (the decoder's
+        weights, routed experts at their top-k share) and the draft rows of lm_head; from a cache, the rows."""
+        return self.target.flops_per_token(self.head.config.target_hidden_size * self.vocab.draft_vocab_size)
 
     def _step_flops(self, tokens: int, counted: torch.Tensor, pairs: int) -> tuple[float, float]:
         """(weights-only FLOPs, attention FLOPs) of one step: the target's forward, the head's
@@ -404,7 +425,7 @@ class _Trainer:
         steps = self.config.ttt_steps
         weights = (self.flops_per_token_target * tokens
                    + flops.head_flops(self.head_params - lm, lm, tokens, float(counted.sum()), steps))
-        attention = (flops.target_attention_flops(self.model.config, pairs)
+        attention = (self.target.attention_flops(pairs)
                      + flops.head_attention_flops(c, tokens, pairs, steps))
         return weights, attention
 
@@ -484,11 +505,10 @@ class _Trainer:
                          fused=self.fused, compile_head=cuda and cfg.compile_head,
                          attention=cfg.ttt_attention if cuda else "dense")
 
-    def target_capture(self) -> TargetCapture:
-        """The target bound for capture, its graphs sized for the config's largest micro-batch."""
-        cfg = self.config
-        return TargetCapture(self.model, cfg.aux_layer_ids, self.vocab.draft_ids, graphs=cfg.graph_target,
-                             max_tokens=cfg.max_batch_tokens)
+    def target_capture(self):
+        """The features' source: the target bound for capture (its graphs sized for the config's largest
+        micro-batch), or the cache's reader."""
+        return self.target.feature_source(self.config.aux_layer_ids, self.vocab, self.config)
 
     def _steps(self, objective: nn.Module):
         """Runs optimizer steps until ``stop_at`` (which the caller may lower as it goes), yielding
@@ -550,7 +570,7 @@ class _Trainer:
             tokens = int(batch.attention_mask.sum())
             batch = batch.to(env.device, non_blocking=True)
             ix = [(to_device(b, env.device, True), to_device(t, env.device, True)) for b, t in ix]
-            captured = self.capture(batch.input_ids, batch.attention_mask)
+            captured = self.capture.features(batch)
             sync = j == len(micro) - 1 or not env.distributed
             with (contextlib.nullcontext() if sync else objective.no_sync()):
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
@@ -602,7 +622,7 @@ class _Trainer:
             if not idx:
                 continue
             batch = self.eval_ds.collate(idx, self.cursor.pad).cut(cfg.max_length).to(env.device)
-            captured = self.capture(batch.input_ids, batch.attention_mask)
+            captured = self.capture.features(batch)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
                                batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum",

@@ -1,0 +1,569 @@
+"""Hidden states of a target bigger than the device, one decoder layer at a time (layer streaming).
+
+Contract:
+- ``StreamedTarget(target, aux_layer_ids, ...)`` builds the target on the meta device from its
+  config (stock ``transformers`` classes; the text model of a wrapper such as Kimi-K2.5's
+  ``kimi_k25``), checks every safetensors shard up front (``outrider.train.weights``), and keeps
+  only the final norm resident. Used as a context manager (``close()`` frees its buffers).
+- ``states(input_ids)`` -> one ``(aux, final)`` per example, on ``out_device``: ``aux``
+  [len, n_aux*H] is Hugging Face ``output_hidden_states[j]`` for the aux ids ``j`` in the given
+  order (the state entering decoder layer j), ``final`` [len, H] the last layer's output after
+  the final norm. The tensors of one pass are views of one buffer.
+- Passes: the examples, in the given order, are cut into passes of at most ``tokens_per_pass``
+  tokens. A pass streams the whole model once: the embedding, then every decoder layer, each
+  loaded (``outrider.train.layer_loader``: the next one is read and copied while this one
+  computes), run over every token of the pass, and dropped. INT4 experts travel packed and are
+  dequantized on the device.
+- Chunks: inside a pass ``plan_chunks`` sorts the examples longest first (stable) and groups them
+  into chunks that fit ``max_chunk_tokens`` and the memory left for activations. ``padded``:
+  rows right-padded with the config's pad id (0 if unset) and a 2-D attention mask, positions
+  ``arange(width)``; ``packed``: one row, positions restarting at every example, transformers'
+  block-causal mask for packed sequences. Each chunk's states are bit-identical to the stock
+  model's own forward on that chunk (padded: ``model(ids, attention_mask=mask)``; packed:
+  ``model(ids, position_ids=pos, use_cache=False)``); grouping examples differently changes
+  only float rounding (GEMM shapes).
+- Memory: ``gpu_memory`` (GB) bounds the device bytes: the largest layer built (dequantized) plus
+  its checkpoint bytes, the next layer's checkpoint bytes, dequantization temporaries, the
+  activations of one chunk, and the pass's states when they stay on the device. When the states
+  do not fit (or ``states_on="host"``) they live in pinned host memory and each chunk is copied in
+  and out per layer. On CUDA the allocator is capped at the budget while the target is open. A
+  budget below one layer's need is a one-line ``UserError``.
+- ``stats``: one ``PassStats`` per pass (tokens, seconds, bytes read, copy / compute / exposed
+  copy seconds).
+
+Not done here: logits or the teacher (training projects ``final`` through the frozen ``lm_head``
+rows), generation and KV caches, several devices, sliding-window or hybrid-attention models
+(refused), writing a cache (the capture writer takes ``states``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from outrider.errors import UserError
+from outrider.models import check_aux_ids, parse_dtype, resolve
+from outrider.train.int4 import Int4Scheme
+from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
+from outrider.train.weights import SafetensorsFiles, build_tensor, decoder_prefix, keep_fp32_pattern, module_recipes
+
+SUPPORTED = ("llama", "deepseek_v3")  # the families whose model forward the layer loop restates, tested
+GB = 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# The skeleton
+
+
+def text_config(path: Path):
+    """The text model's config of a checkpoint folder and its ``quantization_config`` (dict or None)."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    from outrider.models import read_json_object
+
+    raw = read_json_object(path / "config.json")
+    try:
+        if raw.get("model_type") == "kimi_k2":  # Kimi-K2's text config: transformers reads it as DeepSeek-V3
+            config = DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+        else:
+            config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the config of {path}: {str(e).splitlines()[0]}") from None
+    outer = getattr(config, "quantization_config", None)
+    config = config.get_text_config()
+    quant = getattr(config, "quantization_config", None) or outer
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the skeleton is dense: INT4 is dequantized as each layer arrives
+    if config.model_type not in SUPPORTED:
+        raise UserError(f"layer streaming supports {', '.join(SUPPORTED)} targets, not '{config.model_type}': "
+                        "load it whole (or with --device-map) instead")
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        raise UserError("layer streaming supports full-attention layers only: this target has sliding or hybrid "
+                        "layers; load it whole (or with --device-map) instead")
+    return config, (quant.to_dict() if hasattr(quant, "to_dict") else quant)
+
+
+def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The causal LM on the meta device (no memory), frozen, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class Chunk:
+    examples: tuple[int, ...]  # indices into the pass's examples, rows (or packed segments) in this order
+    lengths: tuple[int, ...]
+    packed: bool
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.packed else len(self.examples)
+
+    @property
+    def width(self) -> int:
+        return sum(self.lengths) if self.packed else max(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.rows * self.width
+
+
+def plan_passes(lengths: Sequence[int], tokens_per_pass: int) -> list[list[int]]:
+    """Consecutive examples grouped into passes of at most ``tokens_per_pass`` tokens (a longer
+    example is a pass of its own)."""
+    passes: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not passes or total + n > tokens_per_pass:
+            passes.append([])
+            total = 0
+        passes[-1].append(i)
+        total += n
+    return passes
+
+
+def plan_chunks(lengths: Sequence[int], packed: bool, max_tokens: int, max_bytes: float = math.inf,
+                per_token: int = 0, per_key: int = 0) -> list[Chunk]:
+    """Examples (by index into ``lengths``) sorted longest first (stable) and grouped greedily into
+    chunks of at most ``max_tokens`` padded tokens whose activations (``chunk_bytes``) stay under
+    ``max_bytes``; a chunk holds at least one example."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+
+    def fits(members: list[int]) -> bool:
+        c = Chunk(tuple(members), tuple(lengths[i] for i in members), packed)
+        return c.padded_tokens <= max_tokens and chunk_bytes(c, per_token, per_key) <= max_bytes
+
+    for i in order:
+        if chunks and fits(chunks[-1] + [i]):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return [Chunk(tuple(c), tuple(lengths[i] for i in c), packed) for c in chunks]
+
+
+def chunk_bytes(chunk: Chunk, per_token: int, per_key: int) -> int:
+    return chunk.padded_tokens * (per_token + per_key * chunk.width)
+
+
+def activation_bytes(config, itemsize: int, attn_implementation: str = "sdpa") -> tuple[int, int]:
+    """A generous estimate of one decoder layer's transient bytes: ``(per_token, per_token_and_key)``,
+    so that a chunk of ``t`` padded tokens of width ``w`` needs ``t * (per_token + per_token_and_key * w)``
+    (the second term: the mask, and for eager attention the scores and probabilities)."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    qk = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    head_dim = max(qk, getattr(config, "v_head_dim", 0) or 0, getattr(config, "head_dim", 0) or h // heads)
+    attn = 4 * heads * head_dim + (getattr(config, "q_lora_rank", 0) or 0) + (getattr(config, "kv_lora_rank", 0) or 0)
+    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or 0
+    mlp = 3 * (getattr(config, "intermediate_size", 0) or 0)
+    if experts:
+        inter, top_k = config.moe_intermediate_size, config.num_experts_per_tok
+        shared = inter * (getattr(config, "n_shared_experts", 0) or 0)
+        mlp = max(mlp, top_k * (2 * h + 3 * inter) + 3 * shared + 3 * experts * 4 // itemsize)
+    per_key = 1 if attn_implementation == "sdpa" else 4 + 8 * heads
+    return int(1.5 * itemsize * (6 * h + max(attn, mlp))), per_key
+
+
+@dataclass
+class PassStats:
+    examples: int
+    tokens: int
+    padded_tokens: int
+    chunks: int
+    states_on: str  # "device" | "host"
+    wall_s: float = 0.0
+    nbytes: int = 0  # checkpoint bytes moved
+    read_s: float = 0.0  # host reads into the staging buffers
+    copy_s: float = 0.0  # host-to-device copies (CUDA)
+    compute_s: float = 0.0  # unit computations, dequantization included
+    build_s: float = 0.0  # of which building the weights (dequantization, expert fusion, casts)
+    exposed_s: float = 0.0  # compute idle waiting for weights
+    units: list[UnitTiming] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of the loading time (read + copy) hidden behind compute."""
+        load = self.read_s + self.copy_s
+        return max(0.0, 1.0 - self.exposed_s / load) if load else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "units"} | {
+            "tokens_per_s": self.tokens_per_s, "hidden_share": self.hidden_share}
+
+
+# --------------------------------------------------------------------------------------------
+# One pass's states
+
+
+class _PinnedPool:
+    """Page-locked host buffers kept from pass to pass (pinning gigabytes costs seconds)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self.buffers.get(role)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[role] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes].view(dtype)
+
+
+class _Pass:
+    """Inputs of every chunk (on the device) and the pass's states (on the device or pinned host)."""
+
+    def __init__(self, examples: list[list[int]], chunks: list[Chunk], device: torch.device, home: torch.device,
+                 hidden: int, n_aux: int, dtype: torch.dtype, pad_id: int, pinned: "_PinnedPool | None" = None):
+        self.chunks, self.device, self.home = chunks, device, home
+        pin = home.type == "cpu" and device.type == "cuda"  # states in page-locked host memory
+        self.ids, self.masks, self.positions, self.real, self.rows = [], [], [], [], []
+        self.owner: list[tuple[int, int, int]] = []  # (example, output row, length), in output order
+        at = 0
+        for c in chunks:
+            ids = torch.full((c.rows, c.width), pad_id, dtype=torch.long)  # [rows, width]
+            if c.packed:
+                ids[0] = torch.tensor([t for i in c.examples for t in examples[i]])
+                pos = torch.cat([torch.arange(n) for n in c.lengths])[None]  # [1, tokens], restarting per example
+                mask, real = None, None
+            else:
+                mask = torch.zeros(c.rows, c.width, dtype=torch.long)  # [rows, width]
+                for r, i in enumerate(c.examples):
+                    ids[r, : c.lengths[r]] = torch.tensor(examples[i])
+                    mask[r, : c.lengths[r]] = 1
+                pos = torch.arange(c.width)[None]  # [1, width], the model's default
+                padded = c.padded_tokens != c.tokens
+                real = torch.cat([r * c.width + torch.arange(n) for r, n in enumerate(c.lengths)]) if padded else None
+                mask = mask if padded else None  # all ones: the model would drop it too
+            self.ids.append(ids.to(device))
+            self.masks.append(None if mask is None else mask.to(device))
+            self.positions.append(pos.to(device))
+            self.real.append(None if real is None else real.to(device))
+            self.rows.append((at, at + c.tokens))
+            for i, n in zip(c.examples, c.lengths):
+                self.owner.append((i, at, n))
+                at += n
+        padded = sum(c.padded_tokens for c in chunks)
+        def empty(role: str, *shape: int) -> torch.Tensor:
+            if pin and pinned is not None:
+                return pinned.take(role, math.prod(shape), dtype).view(*shape)
+            return torch.empty(*shape, dtype=dtype, device=home)
+
+        flat = empty("h", padded * hidden)
+        self.h, start = [], 0
+        for c in chunks:  # [rows, width, hidden] each, one buffer
+            self.h.append(flat[start: start + c.padded_tokens * hidden].view(c.rows, c.width, hidden))
+            start += c.padded_tokens * hidden
+        self.aux = empty("aux", n_aux, at, hidden)  # [n_aux, tokens, H]
+        self.final = empty("final", at, hidden)  # [tokens, H]
+
+    def load(self, c: int) -> torch.Tensor:
+        return self.h[c].to(self.device, non_blocking=True)  # [rows, width, H]
+
+    def store(self, c: int, h: torch.Tensor) -> None:
+        if h.data_ptr() != self.h[c].data_ptr():
+            self.h[c].copy_(h, non_blocking=True)
+
+    def real_rows(self, c: int, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])  # [rows*width, H]
+        return flat if self.real[c] is None else flat.index_select(0, self.real[c])  # [tokens, H]
+
+    def put_aux(self, c: int, k: int, h: torch.Tensor) -> None:
+        a, b = self.rows[c]
+        self.aux[k, a:b].copy_(self.real_rows(c, h), non_blocking=True)
+
+    def put_final(self, c: int, h: torch.Tensor) -> None:
+        a, b = self.rows[c]
+        self.final[a:b].copy_(self.real_rows(c, h), non_blocking=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The streamed target
+
+
+class StreamedTarget:
+    """A target streamed layer by layer; ``states(input_ids)`` gives aux and final hidden states."""
+
+    def __init__(self, target: str | Path, aux_layer_ids: Sequence[int] | None = None,
+                 device: torch.device | str | None = None, dtype: str | torch.dtype | None = None,
+                 gpu_memory: float | None = None, tokens_per_pass: int | None = None,
+                 max_chunk_tokens: int | None = None, packing: str = "padded", out_device: torch.device | str = "cpu",
+                 attn_implementation: str = "sdpa", read_threads: int = 8, temp_bytes: int = 1 << 30,
+                 states_on: str = "auto"):
+        path = resolve(target)
+        if path.is_file():
+            raise UserError(f"{path} is a GGUF file: layer streaming reads a safetensors model folder")
+        if packing not in ("padded", "packed"):
+            raise UserError(f"packing must be 'padded' or 'packed', not '{packing}'")
+        if states_on not in ("auto", "device", "host"):
+            raise UserError(f"states_on must be 'auto', 'device' or 'host', not '{states_on}'")
+        self.states_on = states_on
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = parse_dtype(dtype, self.device)
+        self.config, quant = text_config(path)
+        self.int4 = Int4Scheme.from_config(quant)
+        self.files = SafetensorsFiles(path)
+        self.model = build_skeleton(self.config, self.dtype, attn_implementation)
+        self.num_layers = self.config.num_hidden_layers
+        ids = aux_layer_ids if aux_layer_ids is not None else (2, self.num_layers // 2, self.num_layers - 3)
+        self.aux_layer_ids = check_aux_ids(ids, self.num_layers)
+        self.hidden_size = self.config.hidden_size
+        self.packed = packing == "packed"
+        self.out_device = torch.device(out_device)
+        self.temp_bytes = int(temp_bytes)
+        self.pad_id = int(self.config.pad_token_id) if self.config.pad_token_id is not None else 0
+        cuda = self.device.type == "cuda"
+        self.tokens_per_pass = int(tokens_per_pass or (262144 if cuda else 16384))
+        self.max_chunk_tokens = int(max_chunk_tokens or (32768 if cuda else 4096))
+        if self.tokens_per_pass < 1 or self.max_chunk_tokens < 1:
+            raise UserError("--tokens-per-pass and the chunk size must be at least 1")
+        self.units = self._units()
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.per_token, self.per_key = activation_bytes(self.config, self.itemsize, attn_implementation)
+        self.budget = self._budget(gpu_memory)
+        self.stats: list[PassStats] = []
+        self._pinned = _PinnedPool()
+        self._fraction_set = False
+        if cuda and gpu_memory is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
+            self._fraction_set = True
+        self.norm = self._resident(self.decoder.norm, "norm")
+        self.rotary = type(self.decoder.rotary_emb)(config=self.config).to(self.device)  # inv_freq is not saved
+        self.loader = LayerLoader(self.files, self.device, max(u.raw_bytes for u in self.units),
+                                  read_threads if cuda else 1)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        return self.model.get_decoder()
+
+    def _units(self) -> list[Unit]:
+        prefix = decoder_prefix(self.files)
+        keep = keep_fp32_pattern(self.model, self.dtype)
+        dec, congruent = self.decoder, self.device.type == "cpu"  # CPU: aligned as transformers' memory map
+        units = [Unit.of(self.files, "embed_tokens", dec.embed_tokens,
+                         module_recipes(self.files, dec.embed_tokens, "model.embed_tokens", prefix + "embed_tokens.",
+                                        keep), congruent)]
+        for i, layer in enumerate(dec.layers):
+            units.append(Unit.of(self.files, f"layers.{i}", layer,
+                                 module_recipes(self.files, layer, f"model.layers.{i}", f"{prefix}layers.{i}.", keep),
+                                 congruent))
+        self.prefix, self.keep = prefix, keep
+        return units
+
+    def _resident(self, module: torch.nn.Module, name: str) -> torch.nn.Module:
+        recipes = module_recipes(self.files, module, f"model.{name}", f"{self.prefix}{name}.", self.keep)
+        sd = {r.key: build_tensor(r, self.files.tensor).to(self.device).clone() for r in recipes}
+        module.load_state_dict(sd, strict=True, assign=True)
+        return module
+
+    def weights_need(self) -> int:
+        """Device bytes for weights at the peak: the largest unit built plus its checkpoint bytes,
+        the next unit's checkpoint bytes and the dequantization temporaries."""
+        biggest = max(u.raw_bytes + u.built_bytes for u in self.units)
+        temp = 2 * min(self.temp_bytes, max(u.built_bytes for u in self.units))  # dequantization temporaries
+        return biggest + max(u.raw_bytes for u in self.units) + temp
+
+    def _budget(self, gpu_memory: float | None) -> float:
+        if gpu_memory is None and self.device.type != "cuda":
+            return math.inf
+        free = gpu_memory is None
+        budget = torch.cuda.mem_get_info(self.device)[0] - (1 << 30) if free else float(gpu_memory) * GB
+        need = self.weights_need() + self.per_token + self.per_key
+        if budget < need:
+            what = f"the free device memory ({budget / GB:.2f} GB)" if free else f"--gpu-memory {gpu_memory:g} GB"
+            raise UserError(f"{what} is smaller than one layer: streaming needs at least {need / GB:.2f} GB (the "
+                            "largest layer built, its checkpoint bytes and the next layer's, plus activations): "
+                            "raise --gpu-memory or free the device")
+        return budget
+
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens a caller should hand over per call (``outrider.train.cache_capture``'s protocol)."""
+        return self.tokens_per_pass
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def plan(self, lengths: Sequence[int]) -> tuple[list[Chunk], str]:
+        """The chunks of one pass of examples of these lengths, and where its states live."""
+        free = self.budget - self.weights_need()
+        state = self.hidden_size * self.itemsize * (len(self.aux_layer_ids) + 2) * sum(lengths)
+        chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free - state, self.per_token, self.per_key)
+        state += self.hidden_size * self.itemsize * (sum(c.padded_tokens for c in chunks) - sum(lengths))
+        biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
+        if self.states_on == "device" or (self.states_on == "auto" and state + biggest <= free) \
+                or self.device.type == "cpu":
+            return chunks, "device"
+        chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free, self.per_token, self.per_key)
+        biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
+        if biggest > free:
+            raise UserError(f"an example of {max(lengths)} tokens needs {(biggest + self.weights_need()) / GB:.2f} GB "
+                            f"with the largest layer: raise --gpu-memory or drop longer examples")
+        return chunks, "host"
+
+    @torch.no_grad()
+    def states(self, input_ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per example: aux [len, n_aux*H] and final [len, H] (see the module docstring)."""
+        examples = [[int(t) for t in x] for x in input_ids]
+        vocab = self.config.vocab_size
+        for i, x in enumerate(examples):
+            if not x:
+                raise UserError(f"example {i} has no tokens")
+            if min(x) < 0 or max(x) >= vocab:
+                raise UserError(f"example {i} has token ids outside the target's vocabulary of {vocab}: data of "
+                                "another tokenizer?")
+        lengths = [len(x) for x in examples]
+        passes = plan_passes(lengths, self.tokens_per_pass)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(examples)
+        stream = self.loader.stream([u for _ in passes for u in self.units], then=self.units[0])
+        try:
+            for members in passes:
+                for i, result in zip(members, self._pass([examples[i] for i in members], stream)):
+                    out[i] = result
+        finally:
+            stream.close()
+        return out  # type: ignore[return-value]
+
+    def _pass(self, examples: list[list[int]], stream) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t0 = time.perf_counter()
+        chunks, where = self.plan([len(x) for x in examples])
+        home = self.device if where == "device" else torch.device("cpu")
+        run = _Pass(examples, chunks, self.device, home, self.hidden_size, len(self.aux_layer_ids), self.dtype,
+                    self.pad_id, self._pinned)
+        stats = PassStats(len(examples), sum(c.tokens for c in chunks), sum(c.padded_tokens for c in chunks),
+                          len(chunks), where)
+        for index in range(len(self.units)):
+            loaded = next(stream)
+            self._unit(run, loaded, index - 1)  # the embedding is unit 0, decoder layer i unit i+1
+            stats.units.append(loaded.timing)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # states copied to pinned memory have landed
+        reused = run.final.is_pinned()  # pooled host buffers: the next pass overwrites them
+        aux = run.aux.to(self.out_device)  # [n_aux, tokens, H]
+        aux = aux.permute(1, 0, 2).reshape(aux.shape[1], -1)  # [tokens, n_aux*H]
+        if reused and aux.data_ptr() == run.aux.data_ptr():
+            aux = aux.clone()
+        final = run.final.to(self.out_device, copy=reused and run.final.device == self.out_device)
+        self._finish_stats(stats, time.perf_counter() - t0)
+        result: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(examples)  # type: ignore[list-item]
+        for i, at, n in run.owner:
+            result[i] = (aux[at: at + n], final[at: at + n])
+        return result
+
+    def _unit(self, run: _Pass, loaded: Loaded, layer: int) -> None:
+        """Embedding (layer -1) or decoder layer ``layer`` over every chunk of the pass."""
+        from transformers.masking_utils import create_causal_mask
+
+        timing, cuda = loaded.timing, self.device.type == "cuda"
+        t0 = time.perf_counter()
+        if cuda:
+            timing.events["compute0"] = _event()
+        loaded.materialise(self.temp_bytes)
+        if cuda:
+            timing.events["built"] = _event()
+        else:
+            timing.build_s = time.perf_counter() - t0
+        module = loaded.unit.module
+        for c in range(len(run.chunks)):
+            if layer < 0:
+                run.store(c, module(run.ids[c]))  # [rows, width, H]
+                continue
+            h = run.load(c)  # [rows, width, H]
+            for k, j in enumerate(self.aux_layer_ids):
+                if j == layer:
+                    run.put_aux(c, k, h)
+            pos = run.positions[c]  # [1, width]
+            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=run.masks[c], cache=None,
+                                      position_ids=pos)
+            h = module(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos))
+            if layer == self.num_layers - 1:
+                run.put_final(c, self.norm(h))
+            else:
+                run.store(c, h)
+        if cuda:
+            timing.events["compute1"] = _event()
+        else:
+            timing.compute_s = time.perf_counter() - t0
+        loaded.release()
+
+    def _finish_stats(self, stats: PassStats, wall: float) -> None:
+        stats.wall_s = wall
+        stats.nbytes = sum(t.nbytes for t in stats.units)
+        stats.read_s = sum(t.read_s for t in stats.units)
+        if self.device.type == "cuda":
+            stats.copy_s = sum(t.ms("copy0", "copy1") for t in stats.units) / 1e3
+            stats.compute_s = sum(t.ms("compute0", "compute1") for t in stats.units) / 1e3
+            stats.build_s = sum(t.ms("compute0", "built") for t in stats.units) / 1e3
+            stats.exposed_s = sum(a.events["compute1"].elapsed_time(b.events["compute0"])
+                                  for a, b in zip(stats.units, stats.units[1:])) / 1e3
+        else:
+            stats.compute_s = sum(t.compute_s for t in stats.units)
+            stats.build_s = sum(t.build_s for t in stats.units)
+            stats.exposed_s = sum(t.wait_s for t in stats.units)
+        self.stats.append(stats)
+
+    def close(self) -> None:
+        self._pinned.buffers.clear()
+        self.loader.close()
+        self.files.close()
+        if self._fraction_set:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self._fraction_set = False
+
+    def __enter__(self) -> "StreamedTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def stream_options(args: Any) -> dict[str, Any] | None:
+    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamedTarget`` options, or None."""
+    gpu_memory, tokens = getattr(args, "gpu_memory", None), getattr(args, "tokens_per_pass", None)
+    if not getattr(args, "stream_layers", False):
+        if gpu_memory is not None or tokens is not None:
+            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
+        return None
+    if getattr(args, "device_map", None) is not None:
+        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
+    return {"gpu_memory": gpu_memory, "tokens_per_pass": tokens}
+
+
+def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, args: Any) -> "StreamedTarget | None":
+    """``outrider capture --stream-layers``: the capture's hidden-state source, or None (load the target)."""
+    options = stream_options(args)
+    if options is None:
+        return None
+    ids = sorted(aux_layer_ids) if aux_layer_ids is not None else None
+    return StreamedTarget(target, ids, device=getattr(args, "device", None), **options)
+
+
+def _event() -> torch.cuda.Event:
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
