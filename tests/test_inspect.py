@@ -172,7 +172,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt, engines", [("vllm", {"vllm": True, "sglang": True}),
-                                          ("sglang", {"vllm": False, "sglang": True}),
+                                          ("sglang", {"vllm": True, "sglang": True}),
                                           ("speculators", {"vllm": True, "sglang": False})])
 def test_exported_heads_are_servable_by_the_engines_they_are_for(tiny, fmt, engines):
     target, dirs, _ = tiny
