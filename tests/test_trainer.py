@@ -388,3 +388,26 @@ def test_time_budget_ends_the_run_with_a_head(env, tmp_path):
     assert (out / "head" / "model.safetensors").is_file() and (out / "last").is_dir()
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if r["type"] == "eval"] == [1]
+
+
+def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path):
+    """head_attention "mla" (and the EAGLE 3.1 norms) through the whole path: a run writes an MLA head in the
+    engines' layout, --init fine-tunes it as an MLA head, and bench --draft drafts losslessly with it."""
+    from outrider.bench import bench
+
+    cfg = CFG.replace(steps=3, eval_every=3, save_every=3, head_attention="mla", head_fc_norm=True,
+                      head_norm_output=True)
+    train(env["target"], env["data"], str(tmp_path / "mla"), config=cfg, progress=False)
+    written = json.loads((tmp_path / "mla/head/config.json").read_text())
+    assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["fc_norm"] is True
+    head, hcfg = load_head(tmp_path / "mla/head")
+    assert hcfg.attention == "mla" and hcfg.norm_output and head.fc_norm is not None
+    # a fine-tune keeps the --init head's attention whatever the config asks
+    report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(tmp_path / "mla/head"),
+                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    assert report.steps == 2 and load_head(tmp_path / "ft/head")[1].attention == "mla"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
+    record = bench(env["target"], "eagle3", draft=str(tmp_path / "ft/head"), k=3, num_prompts=2, max_new_tokens=12,
+                   prompts=str(prompts), device="cpu")
+    assert record["lossless"] is True and record["new_tokens"] > 0

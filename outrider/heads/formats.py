@@ -435,6 +435,9 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     elif include_embeddings and target is None:
         raise UserError("--include-embeddings needs the target (its embedding is copied into the checkpoint)")
     top, nested, nested_note = written_aux_ids(cfg.aux_layer_ids, format, model_type)
+    if format == "sglang" and num_layers and max(cfg.aux_layer_ids) >= num_layers:
+        raise UserError(f"aux id {max(cfg.aux_layer_ids)} is the target's last layer output, which SGLang never "
+                        "captures (it captures before each layer): export with --format vllm")
     section = {k: v for k, v in meta.items() if k not in ("format", "version", "target")}
     section.update(extra or {})
     section.update({
