@@ -352,3 +352,65 @@ def test_aux_id_L_is_the_last_layers_output_before_the_final_norm():
     with pytest.raises(UserError, match="out of range"):
         AuxCapture(model, (1, 2, 5))
     assert Eagle3Config.for_target(model.config, 64, aux_layer_ids=(1, 2, 4)).aux_layer_ids == (1, 2, 4)
+
+
+@pytest.mark.parametrize("kind, attention, options", [CASES[1], CASES[2]])
+def test_compiled_steps_and_device_rounds_draft_what_eager_steps_draft(tiny_models, kind, attention, options):
+    """The fused draft step (torch.compile, aot_eager: eager kernels) and the device rounds over the static
+    slot cache draft exactly the eager chain's tokens, for MLA heads and windowed heads too."""
+    model = tiny_models(kind)
+    drafts = {}
+    for mode in ("eager", "compiled", "rounds"):
+        proposer = Eagle3Proposer(_vocab_head(model, attention, seed=3, **options), model)
+        seen, propose = [], proposer.propose
+
+        def recording(n, propose=propose, seen=seen):
+            draft = propose(n)
+            seen.append(draft.tokens.tolist())
+            return draft
+
+        proposer.propose = recording
+        kwargs = {"eager": dict(read_len="max", rounds=0), "compiled": dict(compile="aot_eager", read_len="max", rounds=0),
+                  "rounds": dict(read_len="max")}[mode]
+        out = SpecEngine(model, proposer, k=3, **kwargs).generate(_prompts()[:2], 14)
+        drafts[mode] = seen, out.tokens
+    assert len(drafts["eager"][0]) > 3
+    assert drafts["compiled"] == drafts["eager"]
+    assert drafts["rounds"][1] == drafts["eager"][1]  # device rounds draft inside the round: same output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind, attention, options", [CASES[1], CASES[2]])
+def test_cuda_graphs_draft_losslessly(tiny_models, kind, attention, options, compile):
+    import copy
+
+    model = copy.deepcopy(tiny_models(kind)).to("cuda")
+    prompts = _prompts()
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = SpecEngine(model, Eagle3Proposer(_vocab_head(model, attention, **options).cuda(), model), k=3,
+                        graphs=True, compile=compile)
+    for _ in range(2):  # the second pass replays the graphs of the first
+        assert engine.generate(prompts[:1], 16).tokens + engine.generate(prompts[1:], 16).tokens == refs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, attention, options", [CASES[0], CASES[2]])
+def test_cuda_flex_ttt_gives_the_dense_gradients(kind, attention, options):
+    """flex_attention (compiled on CUDA) over MLA keys and values of different widths, and with a window."""
+    embed, aux, ids, loss_mask, teacher, real = _inputs(B=3, S=200, seed=7)
+    right = torch.ones_like(real)
+    right[1, 163:] = 0
+    loss_mask = loss_mask * right
+    results = {}
+    for attention_impl in ("dense", "flex"):
+        head = _head(kind, attention, seed=4, **options).to("cuda")
+        out = ttt_loss(head, embed.to("cuda"), aux.to("cuda"), ids.to("cuda"), loss_mask.to("cuda"),
+                       teacher.to("cuda"), right.to("cuda"), steps=5, attention=attention_impl)
+        out.loss.backward()
+        results[attention_impl] = out.loss.detach(), {n: p.grad for n, p in head.named_parameters()}
+    (dense_loss, dense_grads), (flex_loss, flex_grads) = results["dense"], results["flex"]
+    torch.testing.assert_close(flex_loss, dense_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

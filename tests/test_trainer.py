@@ -137,7 +137,7 @@ def test_run_writes_servable_head_state_and_metrics(env, straight):
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
         assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang's Llama adds 1
         assert cfg["outrider"]["draft_vocab"]["fingerprint"] == want.fingerprint()
         head, _ = load_head(folder)
         assert torch.equal(head.map_to_target(torch.arange(40)), want.draft_ids)

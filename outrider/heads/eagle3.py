@@ -278,9 +278,6 @@ class Rotary(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-Eagle3Attention = GQAAttention  # the Llama attention of a GQA head
-
-
 def make_attention(config: Eagle3Config) -> nn.Module:
     """The layer's attention module for ``config.attention``."""
     return MLAAttention(config) if config.attention == "mla" else GQAAttention(config)
