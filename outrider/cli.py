@@ -104,7 +104,6 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 def cmd_capture(a: argparse.Namespace) -> int:
     from outrider.train.cache_capture import capture_cache
-
     from outrider.train.stream import streamed_source
 
     report = capture_cache(a.target, a.data, a.out, dtype=a.dtype, aux_layer_ids=a.aux_layers,

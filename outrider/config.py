@@ -77,6 +77,12 @@ class TrainConfig:
     graph_target: bool = False  # on CUDA, the target's forward replays a CUDA graph per batch shape (dense targets)
     ttt_attention: str = "dense"  # on CUDA, the unrolled steps' attention: "dense" (SDPA, block mask) or "flex"
     run_ahead: bool = True  # one process: the next step is queued before this one's metrics are read
+    head_attention: str = "gqa"  # the head's attention: "gqa" (Llama) or "mla" (DeepSeek latent, the target's sizes)
+    head_fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per aux state before fc
+    head_norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc (GQA heads)
+    head_norm_output: bool = False  # EAGLE 3.1: the next step reads the normed output
+    head_norm_before_residual: bool = False  # the residual is hidden_norm(h) (vLLM serves it, SGLang does not)
+    head_sliding_window: int = 0  # > 0: the head attends to the last this many positions (GQA heads)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -128,6 +134,15 @@ class TrainConfig:
             raise UserError(f"training setting 'ttt_attention' must be 'dense' or 'flex', got {self.ttt_attention!r}")
         if self.loss_kernel not in ("triton", "compile"):
             raise UserError(f"training setting 'loss_kernel' must be 'triton' or 'compile', got {self.loss_kernel!r}")
+        if self.head_attention not in ("gqa", "mla"):
+            raise UserError(f"training setting 'head_attention' must be 'gqa' or 'mla', got {self.head_attention!r}")
+        for name in ("head_fc_norm", "head_norm_before_fc", "head_norm_output", "head_norm_before_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"training setting '{name}' must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.head_sliding_window, bool) or not isinstance(self.head_sliding_window, int) \
+                or self.head_sliding_window < 0:
+            raise UserError(f"training setting 'head_sliding_window' must be an integer >= 0, "
+                            f"got {self.head_sliding_window!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
 
@@ -151,6 +166,13 @@ class TrainConfig:
         return PRESETS[name]
 
     # --- (de)serialisation --------------------------------------------------------------------
+
+    def head_options(self) -> dict[str, Any]:
+        """The head settings as ``Eagle3Config.for_target`` options (those not at their default)."""
+        options = {"fc_norm": self.head_fc_norm, "norm_before_fc": self.head_norm_before_fc,
+                   "norm_output": self.head_norm_output, "norm_before_residual": self.head_norm_before_residual,
+                   "sliding_window": self.head_sliding_window}
+        return {k: v for k, v in options.items() if v}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

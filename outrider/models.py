@@ -8,8 +8,10 @@ Contract:
 - ``load_model`` returns ``(model, tokenizer)`` in eval mode, float32 on CPU and bfloat16 on
   CUDA unless told otherwise. Every failure a user can fix is a ``UserError``.
 - ``AuxCapture`` records, by forward pre-hooks, the hidden state *entering* decoder layer ``j``
-  for each requested id ``j`` (= Hugging Face ``output_hidden_states[j]``). No modeling file is
-  forked; the hooks work for any model whose decoder layers sit in ``model.model.layers``.
+  for each requested id ``j`` (= Hugging Face ``output_hidden_states[j]``); id ``L`` (the number
+  of layers) is the last layer's output before the final norm, by a forward hook on that layer.
+  No modeling file is forked; the hooks work for any model whose decoder layers sit in
+  ``model.model.layers``.
 
 - ``load_model(..., device_map=...)`` places a target through accelerate (several GPUs, CPU and
   disk offload); ``resident_weight`` reads an offloaded parameter, ``input_device`` says where
@@ -358,10 +360,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def check_aux_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Aux ids in 0..L (``L`` = the last layer's output, pre-norm)."""
     ids = tuple(int(j) for j in layer_ids)
-    bad = [j for j in ids if not 0 <= j < num_layers]
+    bad = [j for j in ids if not 0 <= j <= num_layers]
     if bad:
-        raise UserError(f"aux layer ids {bad} out of range: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+        raise UserError(f"aux layer ids {bad} out of range: the target has {num_layers} layers (ids 0..{num_layers}, "
+                        f"{num_layers} = the last layer's output)")
     return ids
 
 
@@ -389,8 +393,12 @@ class AuxCapture:
             self._attach()
 
     def _attach(self) -> None:
+        last = len(self.layers)
         for j in sorted(set(self.layer_ids)):
-            self._handles.append(self.layers[j].register_forward_pre_hook(self._hook(j), with_kwargs=True))
+            if j == last:  # the last layer's output, before the model's final norm
+                self._handles.append(self.layers[j - 1].register_forward_hook(self._out_hook(j)))
+            else:
+                self._handles.append(self.layers[j].register_forward_pre_hook(self._hook(j), with_kwargs=True))
 
     @contextlib.contextmanager
     def attached(self):
@@ -408,6 +416,11 @@ class AuxCapture:
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             self.states[j] = hidden  # [batch, seq, hidden]
+        return hook
+
+    def _out_hook(self, j: int):
+        def hook(module, args, output):
+            self.states[j] = output[0] if isinstance(output, (tuple, list)) else output  # [batch, seq, hidden]
         return hook
 
     def concat(self, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -130,3 +130,20 @@ def kimi_k2_eagle3_head(path: str | Path, readme: bool = True, **overrides: Any)
     files = {"README.md": "---\nlicense: mit\nbase_model: moonshotai/Kimi-K2-Instruct\n---\n# Kimi-K2 EAGLE-3\n"} \
         if readme else {}
     return _write(path, config, files)
+
+
+def kimi_k25_eagle3_mla_head(path: str | Path, **overrides: Any) -> Path:
+    """An EAGLE-3 MLA head shaped like the published Kimi-K2.5 ones (``Eagle3DeepseekV2ForCausalLM``): the
+    target's MLA sizes and YaRN, ids written for SGLang in eagle_config and for vLLM at the top level."""
+    config = _patch({
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
+        "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "vocab_size": 163840, "draft_vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": [2, 30, 58], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }, overrides)
+    return _write(path, config, {"README.md": "---\nbase_model: moonshotai/Kimi-K2.5\n---\n# Kimi-K2.5 EAGLE-3 MLA\n"})

@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from tiny import make_tiny, tiny_tokenizer
+from torch import nn
 
 KIMI_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
                "re:.*lm_head.*"]
@@ -49,8 +48,13 @@ def _unfuse_experts(model: nn.Module) -> None:
 
 def save_int4_deepseek(path: str | Path, seed: int = 0, layers: int = 3) -> Path:
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 QuantizationStatus, apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
     from safetensors.torch import save_file
 

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.models import AuxCapture, input_device, is_dispatched, load_model, parse_device_map
+from outrider.models import (
+    AuxCapture,
+    input_device,
+    is_dispatched,
+    load_model,
+    parse_device_map,
+)
 from outrider.train.capture import TargetCapture
 
 

@@ -94,7 +94,8 @@ def test_config_follows_the_contract(head, target_dir, tmp_path):
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
     assert cfg["norm_before_residual"] is False and cfg["draft_vocab_size"] == 32
     assert cfg["target_hidden_size"] == 64 and cfg["vocab_size"] == 96 and cfg["torch_dtype"] == "float32"
-    assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    # vLLM reads the top-level ids verbatim; SGLang reads eagle_config's and (Llama target) adds 1
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["outrider"]["aux_layer_ids"] == [2, 4, 5]
     assert cfg["outrider"]["target"]["name"] == target_dir.name
@@ -108,18 +109,19 @@ def test_config_follows_the_contract(head, target_dir, tmp_path):
     launch = (tmp_path / "v/LAUNCH.md").read_text()
     spec = {"method": "eagle3", "model": str((tmp_path / "v").resolve()), "num_speculative_tokens": 3}
     assert f"--speculative-config '{json.dumps(spec)}'" in launch
-    assert "--speculative-algorithm EAGLE3" in launch and "PR 25454" in launch  # current SGLang reads [2, 4, 5] too
+    assert "--speculative-algorithm EAGLE3" in launch and "PR 25454" in launch  # SGLang serves it too
 
 
 def test_sglang_format_writes_ids_sglang_shifts_back(head, target_dir, tmp_path):
     report = export(head, "sglang", tmp_path / "s", target=str(target_dir), dtype="float32")
     cfg = json.loads((tmp_path / "s/config.json").read_text())
-    assert report.written_aux_layer_ids == [1, 3, 4]
-    assert "written as [1, 3, 4]" in report.summary() and "LAUNCH.md" in report.summary()
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert report.written_aux_layer_ids == [2, 4, 5] and report.written_eagle_aux_layer_ids == [1, 3, 4]
+    assert "eagle_config [1, 3, 4]" in report.summary() and "LAUNCH.md" in report.summary()
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # what vLLM reads
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # what SGLang reads
     spec = read_head_spec(tmp_path / "s")
-    assert spec.sglang_reads(LAYERS) == (2, 4, 5)  # SGLang: first id 1 -> +1
+    assert spec.sglang_reads(LAYERS, "llama") == (2, 4, 5)  # SGLang's Llama: +1 to every id
+    assert spec.vllm_reads(LAYERS) == (2, 4, 5)
     assert spec.aux_layer_ids == (2, 4, 5)
     launch = (tmp_path / "s/LAUNCH.md").read_text()
     assert "--speculative-algorithm EAGLE3" in launch and "--speculative-eagle-topk 1" in launch
@@ -130,11 +132,19 @@ def test_sglang_format_writes_ids_sglang_shifts_back(head, target_dir, tmp_path)
 
 
 def test_sglang_id_rules():
-    assert written_aux_ids((2, 30, 58), "sglang")[0] == (1, 29, 57)
-    assert written_aux_ids((3, 30, 58), "sglang")[0] == (3, 30, 58)  # SGLang (PR 25454) reads it unshifted
-    assert written_aux_ids((2, 30, 58), "vllm")[0] == (2, 30, 58)
-    with pytest.raises(UserError, match="start at 1"):
-        written_aux_ids((1, 30, 58), "sglang")
+    """SGLang adds 1 to eagle_config ids: always for Llama-like targets (models/llama.py), only when the first is
+    1 for DeepSeek/Kimi (models/deepseek_v2.py since PR 25454). The top level (vLLM) is always verbatim."""
+    for model_type in ("llama", "kimi_k2", None):
+        assert written_aux_ids((2, 30, 58), "sglang", model_type)[:2] == ((2, 30, 58), (1, 29, 57))
+    assert written_aux_ids((3, 30, 58), "sglang", "kimi_k2")[1] == (3, 30, 58)  # read unshifted (PR 25454)
+    assert written_aux_ids((3, 30, 58), "sglang", "llama")[1] == (2, 29, 57)  # read +1
+    assert written_aux_ids((1, 30, 58), "sglang", "qwen3")[1] == (0, 29, 57)
+    with pytest.raises(UserError, match="DeepSeek/Kimi"):  # 1 is read as 2, 0 as 0
+        written_aux_ids((1, 30, 58), "sglang", "deepseek_v3")
+    with pytest.raises(UserError, match="pass --target"):
+        written_aux_ids((3, 30, 58), "sglang", None)
+    assert written_aux_ids((1, 30, 58), "vllm", "deepseek_v3")[:2] == ((1, 30, 58), (1, 30, 58))  # kept, noted
+    assert written_aux_ids((2, 30, 58), "speculators", "llama")[:2] == ((2, 30, 58), None)
 
 
 def test_unsorted_aux_ids_are_written_ascending_with_fc_permuted(target, target_dir, tmp_path):
@@ -210,8 +220,8 @@ def test_reads_a_trainer_head_folder_with_ids_from_1(target, target_dir, tmp_pat
     report = export(path, "vllm", tmp_path / "v", dtype="float32")
     assert report.written_aux_layer_ids == [1, 3, 5]
     assert json.loads((tmp_path / "v/config.json").read_text())["outrider"]["target"] == {"name": str(target_dir)}
-    with pytest.raises(UserError, match="start at 1"):
-        export(path, "sglang", tmp_path / "s")
+    # the recorded target is a Llama, whose SGLang model adds 1 to every id: (1, 3, 5) is written (0, 2, 4)
+    assert export(path, "sglang", tmp_path / "s").written_eagle_aux_layer_ids == [0, 2, 4]
 
 
 def _contract_fields(head: Eagle3Head) -> dict:

@@ -74,8 +74,9 @@ def test_config_for_target_and_round_trip():
     assert k.rope_theta == 50000.0 and k.rope_scaling["rope_type"] == "yarn" and "type" not in k.rope_scaling
     assert k.aux_layer_ids == (2, 4, 5) and k.rms_norm_eps == 1e-5
     Eagle3Head(k)  # the yarn rotary builds
-    with pytest.raises(UserError):
-        Eagle3Config.for_target(tiny_config("llama", layers=6), 50, aux_layer_ids=(1, 2, 6))
+    assert Eagle3Config.for_target(tiny_config("llama", layers=6), 50, aux_layer_ids=(1, 2, 6)).aux_layer_ids[-1] == 6
+    with pytest.raises(UserError, match="out of range"):  # 6 = the last layer's output; 7 is no state
+        Eagle3Config.for_target(tiny_config("llama", layers=6), 50, aux_layer_ids=(1, 2, 7))
     with pytest.raises(UserError):
         Eagle3Config.for_target(tiny_config("llama", layers=6), 97)
 

@@ -172,7 +172,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt, engines", [("vllm", {"vllm": True, "sglang": True}),
-                                          ("sglang", {"vllm": False, "sglang": True}),
+                                          ("sglang", {"vllm": True, "sglang": True}),
                                           ("speculators", {"vllm": True, "sglang": False})])
 def test_exported_heads_are_servable_by_the_engines_they_are_for(tiny, fmt, engines):
     target, dirs, _ = tiny
@@ -247,3 +247,88 @@ def test_json_flag_means_a_file_or_stdout_as_in_every_verb(zoo, tmp_path, capsys
     assert written["exit_code"] == code and "outrider inspect" in table
     assert main(["inspect", str(zoo["k25"]), "--draft", str(zoo["head"]), "--json", "-"]) == code
     assert json.loads(capsys.readouterr().out) == written
+
+
+# --------------------------------------------------------------------------------------------
+# MLA heads and EAGLE 3.1 options
+# --------------------------------------------------------------------------------------------
+
+def test_a_kimi_k25_mla_head_is_servable_with_its_kv_bytes(zoo, tmp_path):
+    report = inspect(zoo["k25"], fx.kimi_k25_eagle3_mla_head(tmp_path / "mla"))
+    assert report.servable and report.engines == {"vllm": True, "sglang": True}, report.verdict
+    shapes = by_name(report, "MLA shapes")
+    assert shapes.status == PASS and "latent 512 + rope 64" in shapes.reason
+    kv = by_name(report, "draft KV cache")
+    # the engines cache (512 + 64) x 2 B; a GQA head for K2.5 is 64 heads x 112 (H / heads), keys and values
+    assert "1152 B per token" in kv.reason and "a GQA head for this target: 28672 B" in kv.reason
+    assert "PR 36361" in by_name(report, "draft architecture", "vllm").reason
+    assert "PR 24826" in by_name(report, "draft architecture", "sglang").reason
+    assert by_name(report, "aux ids as read", "vllm").reason == "vLLM captures [2, 30, 58]"
+    assert by_name(report, "aux ids as read", "sglang").reason == "SGLang captures [2, 30, 58]"
+    assert by_name(report, "trained for").status == PASS
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"kv_lora_rank": 256}, "kv_lora_rank 256 != the target's 512"),
+    ({"qk_rope_head_dim": 32}, "qk_rope_head_dim 32 != the target's 64"),
+])
+def test_a_mis_shaped_mla_head_fails_with_the_reason(zoo, tmp_path, overrides, reason):
+    report = inspect(zoo["k25"], fx.kimi_k25_eagle3_mla_head(tmp_path / "mla", **overrides))
+    shapes = by_name(report, "MLA shapes")
+    assert shapes.status == FAIL and reason in shapes.reason and "MLA attention backend" in shapes.reason
+    assert not report.servable and report.verdict.startswith("not servable: MLA shapes")
+
+
+def test_a_nested_only_mla_config_follows_sglangs_deepseek_rule(zoo, tmp_path):
+    """eagle_config [2, 30, 58] alone: SGLang (PR 25454) reads it unshifted on Kimi; vLLM ignores it and
+    captures its default, which here is the same."""
+    head = fx.kimi_k25_eagle3_mla_head(tmp_path / "mla", eagle_aux_hidden_state_layer_ids=None,
+                                       eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]})
+    report = inspect(zoo["k25"], head)
+    assert report.engines == {"vllm": True, "sglang": True}
+    assert "PR 25454" in by_name(report, "aux ids as read", "sglang").reason
+    assert by_name(report, "aux id convention").status == WARN
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tinymla")
+    target = save_tiny("deepseek_v3", d / "tiny-dsv3", layers=8)
+    cfg = Eagle3Config.for_target(load_config_dict(target), draft_vocab_size=32, attention="mla", fc_norm=True)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    export(head, "vllm", d / "mla", target=str(target), dtype="float32")
+    return target, d / "mla"
+
+
+def test_an_exported_mla_head_passes_and_a_broken_tensor_fails(tiny_mla, tmp_path):
+    target, head = tiny_mla
+    report = inspect(target, head)
+    assert report.engines == {"vllm": True, "sglang": True}
+    assert by_name(report, "weights").status == PASS and by_name(report, "MLA shapes").status == PASS
+    broken = tmp_path / "broken"
+    shutil.copytree(head, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["layers.0.self_attn.kv_b_proj.weight"] = tensors["layers.0.self_attn.kv_b_proj.weight"][:-1]
+    save_file(tensors, broken / "model.safetensors")
+    weights = by_name(inspect(target, broken), "weights")
+    assert weights.status == FAIL and "kv_b_proj" in weights.reason
+
+
+def test_options_each_engine_does_not_read_fail_for_it(tiny, tmp_path):
+    target, _, _ = tiny
+    cfg = Eagle3Config.for_target(load_config_dict(target), draft_vocab_size=32, norm_before_residual=True,
+                                  sliding_window=16, aux_layer_ids=(2, 4, 8))
+    torch.manual_seed(0)
+    out = export(Eagle3Head(cfg), "vllm", tmp_path / "h", target=str(target), dtype="float32")
+    assert any("SGLang does not read norm_before_residual" in n for n in out.notes)
+    report = inspect(target, tmp_path / "h")
+    assert by_name(report, "draft options", "vllm").status == PASS
+    sglang = by_name(report, "draft options", "sglang")
+    assert sglang.status == FAIL and "norm_before_residual" in sglang.reason
+    # aux id 8 = the 8-layer target's last output: vLLM's Llama captures it, SGLang never does
+    assert by_name(report, "aux ids as read", "vllm").status == PASS
+    assert by_name(report, "aux ids as read", "sglang").status == FAIL
+    assert report.engines == {"vllm": True, "sglang": False}
+    launch = (tmp_path / "h/LAUNCH.md").read_text()
+    assert "vllm serve" in launch and "SGLang cannot serve this head" in launch

@@ -77,12 +77,14 @@ def test_unpack_matches_library():
 def test_experts_equal_library_dequantizer(tmp_path):
     """The fused experts we build from the checkpoint equal compressed-tensors' own dequantizer."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer,
+    )
+    from int4_ckpt import save_int4_deepseek
     from safetensors.torch import load_file
 
-    from int4_ckpt import save_int4_deepseek
-    from outrider.train.weights import SafetensorsFiles, build_tensor, module_recipes
     from outrider.train.stream import build_skeleton, text_config
+    from outrider.train.weights import SafetensorsFiles, build_tensor, module_recipes
 
     folder = save_int4_deepseek(tmp_path / "int4", layers=2)
     raw = load_file(str(folder / "model.safetensors"))

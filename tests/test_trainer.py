@@ -138,7 +138,7 @@ def test_run_writes_servable_head_state_and_metrics(env, straight):
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
         assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang's Llama adds 1
         assert cfg["outrider"]["draft_vocab"]["fingerprint"] == want.fingerprint()
         head, _ = load_head(folder)
         assert torch.equal(head.map_to_target(torch.arange(40)), want.draft_ids)
@@ -416,3 +416,26 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
                                         position_embeddings=rotary)
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path):
+    """head_attention "mla" (and the EAGLE 3.1 norms) through the whole path: a run writes an MLA head in the
+    engines' layout, --init fine-tunes it as an MLA head, and bench --draft drafts losslessly with it."""
+    from outrider.bench import bench
+
+    cfg = CFG.replace(steps=3, eval_every=3, save_every=3, head_attention="mla", head_fc_norm=True,
+                      head_norm_output=True)
+    train(env["target"], env["data"], str(tmp_path / "mla"), config=cfg, progress=False)
+    written = json.loads((tmp_path / "mla/head/config.json").read_text())
+    assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["fc_norm"] is True
+    head, hcfg = load_head(tmp_path / "mla/head")
+    assert hcfg.attention == "mla" and hcfg.norm_output and head.fc_norm is not None
+    # a fine-tune keeps the --init head's attention whatever the config asks
+    report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(tmp_path / "mla/head"),
+                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    assert report.steps == 2 and load_head(tmp_path / "ft/head")[1].attention == "mla"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
+    record = bench(env["target"], "eagle3", draft=str(tmp_path / "ft/head"), k=3, num_prompts=2, max_new_tokens=12,
+                   prompts=str(prompts), device="cpu")
+    assert record["lossless"] is True and record["new_tokens"] > 0

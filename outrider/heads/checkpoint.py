@@ -1,11 +1,18 @@
 """Reading EAGLE-3 head checkpoints: our layout, vLLM's, SGLang's and speculators'.
 
 Contract: ``read_head_spec(dir)`` describes a head folder from its config alone (architecture,
-sizes, aux ids and how each engine reads them, vocabulary sizes; no weights read), for ``inspect``;
-``load_head(dir)`` builds an ``Eagle3Head`` from any of the supported layouts (``midlayer.*`` or
-``layers.0.*`` names; the speculators wrapper), checks every tensor's shape, refuses unknown or
-missing tensors with one line, and returns the ``outrider`` section of the config (target record,
-aux-id semantics). ``format_names`` / ``to_format_state_dict`` are the name maps both ways.
+GQA or MLA sizes, EAGLE 3.1 options, sliding window, aux ids and how each engine reads them,
+vocabulary sizes; no weights read), for ``inspect``; ``load_head(dir)`` builds an ``Eagle3Head``
+from any of the supported layouts (``midlayer.*`` or ``layers.0.*`` names, SGLang's legacy
+``aux_norm_{low,mid,high}``; the speculators wrapper; ``Eagle3DeepseekV2ForCausalLM`` MLA
+drafts), checks every tensor's shape, refuses unknown or missing tensors with one line, and
+returns the ``outrider`` section of the config (target record, aux-id semantics).
+``format_names`` / ``to_format_state_dict`` are the name maps both ways.
+
+Aux ids of a foreign config (``HeadSpec.intended_aux_ids``): the ids outrider recorded; else the
+top-level ids (vLLM's and speculators' reading, verbatim); else the ``eagle_config`` ids as SGLang
+reads them for the target (``outrider.heads.engines``; without a target only a first id of 1 is
+unambiguous); else the engines' default ``(2, L//2, L-3)``.
 
 Not done here: writing (``formats``), compatibility reports (``inspect``)."""
 
@@ -21,23 +28,28 @@ import torch
 
 from outrider.errors import UserError
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
+from outrider.heads.engines import (
+    DRAFT_ARCH,
+    MLA_DRAFT_ARCHS,
+    SPECULATORS_ARCH,
+    default_ids,
+    sglang_captures,
+    vllm_captures,
+)
 
 FORMATS = ("sglang", "vllm", "speculators")
-DRAFT_ARCH = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCH = "Eagle3Speculator"
-EAGLE3_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
+EAGLE3_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle") + MLA_DRAFT_ARCHS
 
-_LAYER_TENSORS = (
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-)
+_GQA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLA_ATTN = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 _OUR_LAYER = "midlayer."
-_SPECULATORS_LAYER = "layers.0."
+_LAYERS0 = "layers.0."
+_LEGACY = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}  # SGLang
 # Present in peers' checkpoints but not part of a head: the target's embedding (frozen, shared)
 # and speculators' training-only copies of the verifier's head.
 _DROPPED_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_OPTION_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,13 +61,14 @@ class HeadSpec:
     """What a draft's config.json says, in outrider's terms; needs no weights.
 
     ``written_top`` are the ids vLLM reads, ``written_eagle`` the ids SGLang reads (both as
-    written); ``aux_layer_ids`` the ids in outrider's meaning when they can be known (``None``
-    when the config names none: the engines then use ``(2, L//2, L-3)``).
+    written); ``aux_layer_ids`` the ids in outrider's meaning when the config alone tells them
+    (``None`` otherwise: see ``intended_aux_ids``).
     """
 
-    source: str  # "outrider" | "speculators" | "eagle3" (SpecForge, SGLang, SafeAILab)
+    source: str  # "outrider" | "speculators" | "eagle3" (SpecForge, SGLang, SafeAILab, published MLA drafts)
     layout: str  # tensor-name layout: "midlayer" | "layers.0"
     architectures: tuple[str, ...]
+    attention: str  # "gqa" | "mla"
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -79,18 +92,31 @@ class HeadSpec:
     torch_dtype: str
     quantization: str
     unsupported: tuple[str, ...]  # variant features this head uses that outrider cannot run
+    mla: dict[str, int]  # q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (MLA only)
+    options: dict[str, bool]  # norm_before_residual, norm_before_fc, fc_norm, norm_output
+    sliding_window: int  # 0 = full attention
 
-    def eagle3_config(self, target_num_layers: int | None = None) -> Eagle3Config:
-        """An ``Eagle3Config``; the engines' default aux ids need the target's layer count."""
+    def intended_aux_ids(self, num_layers: int | None = None, model_type: str | None = None
+                         ) -> tuple[int, ...] | None:
+        """The layers the head was made for (outrider meaning); None when that needs the target."""
+        if self.aux_layer_ids is not None:
+            return self.aux_layer_ids
+        if self.written_eagle:
+            return None if model_type is None else sglang_captures(self.written_eagle, num_layers or 0, model_type)
+        return None if num_layers is None else default_ids(num_layers)
+
+    def eagle3_config(self, target_num_layers: int | None = None, target_model_type: str | None = None
+                      ) -> Eagle3Config:
+        """An ``Eagle3Config``; ids the config leaves to the engines need the target."""
         if self.unsupported:
             raise UserError(f"this EAGLE-3 head uses {', '.join(self.unsupported)}, which outrider does not support")
-        ids = self.aux_layer_ids
+        ids = self.intended_aux_ids(target_num_layers, target_model_type)
         if ids is None:
-            if target_num_layers is None:
-                raise UserError("the head's config names no aux layer ids: pass the target so the engines' "
-                                "default (2, L//2, L-3) can be used")
-            L = target_num_layers
-            ids = (2, L // 2, L - 3)
+            if self.written_eagle:
+                raise UserError(f"the head's eagle_config ids {list(self.written_eagle)} mean different layers "
+                                "for different targets (SGLang's +1 rule): pass the target")
+            raise UserError("the head's config names no aux layer ids: pass the target so the engines' "
+                            "default (2, L//2, L-3) can be used")
         return Eagle3Config(
             hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
@@ -98,20 +124,16 @@ class HeadSpec:
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size,
             draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size,
-            aux_layer_ids=ids, hidden_act=self.hidden_act)
+            aux_layer_ids=ids, hidden_act=self.hidden_act, attention=self.attention, **self.mla, **self.options,
+            sliding_window=self.sliding_window)
 
     def vllm_reads(self, num_layers: int) -> tuple[int, ...]:
         """The layers vLLM captures for this draft (outrider meaning)."""
-        if self.written_top:
-            return self.written_top
-        return (2, num_layers // 2, num_layers - 3)
+        return vllm_captures(self.written_top, num_layers)
 
-    def sglang_reads(self, num_layers: int) -> tuple[int, ...]:
-        """The layers SGLang (with PR 25454) captures for this draft (outrider meaning)."""
-        ids = self.written_eagle or self.written_top
-        if not ids:
-            return (2, num_layers // 2, num_layers - 3)
-        return tuple(j + 1 for j in ids) if ids[0] == 1 else ids
+    def sglang_reads(self, num_layers: int, model_type: str | None = None) -> tuple[int, ...]:
+        """The layers a current SGLang captures for this draft on a target of ``model_type``."""
+        return sglang_captures(self.written_eagle, num_layers, model_type)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,7 +159,27 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         return float(params["rope_theta"]), (scaling if scaling.get("rope_type", "default") != "default" else None)
     scaling = cfg.get("rope_scaling")
-    return float(cfg.get("rope_theta") or 10000.0), (dict(scaling) if isinstance(scaling, dict) else None)
+    theta = cfg.get("rope_theta") or (scaling.get("rope_theta") if isinstance(scaling, dict) else None)
+    return float(theta or 10000.0), (dict(scaling) if isinstance(scaling, dict) else None)
+
+
+def _plain_if_unit_yarn(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """YaRN with factor 1 is plain RoPE (outrider writes it so for MLA drafts: see ``formats``)."""
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn" and float(scaling.get("factor", 0)) == 1.0:
+        return None
+    return scaling
+
+
+def _window(layer: dict[str, Any]) -> int:
+    """The sliding window a config asks of its draft layer (0: none), as vLLM's Llama draft reads it:
+    ``sliding_window`` with ``layer_types[0] == "sliding_attention"`` (or ``use_sliding_window``)."""
+    size = layer.get("sliding_window")
+    if not size:
+        return 0
+    types = layer.get("layer_types")
+    if isinstance(types, list) and types:
+        return int(size) if types[0] == "sliding_attention" else 0
+    return int(size) if layer.get("use_sliding_window") else 0
 
 
 def _quant_name(cfg: dict[str, Any]) -> str:
@@ -145,6 +187,30 @@ def _quant_name(cfg: dict[str, Any]) -> str:
     if isinstance(quant, dict) and quant:
         return str(quant.get("quant_method") or quant.get("format") or "custom")
     return ""
+
+
+def _aux_known(ours: dict[str, Any] | None, speculators: bool, top: tuple[int, ...] | None,
+               eagle: tuple[int, ...] | None) -> tuple[tuple[int, ...] | None, str, str]:
+    """(ids known from the config alone, how they were read, source)."""
+    recorded = None
+    if ours is not None:  # export writes aux_layer_ids; the trainer writes them inside head_config
+        head_config = ours.get("head_config") if isinstance(ours.get("head_config"), dict) else {}
+        recorded = ours.get("aux_layer_ids", head_config.get("aux_layer_ids"))
+        semantics = ours.get("aux_layer_ids_semantics") or head_config.get("aux_layer_ids_semantics")
+        if recorded is not None and semantics not in (None, AUX_IDS_SEMANTICS):
+            raise UserError(f"the head records aux ids as '{semantics}', outrider expects '{AUX_IDS_SEMANTICS}'")
+    if recorded is not None:
+        return _ids(recorded), "recorded by outrider", "outrider"
+    source = "speculators" if speculators else "eagle3"
+    if top is not None:
+        return top, "top-level ids, read verbatim (as vLLM and speculators read them)", source
+    if eagle is None:
+        return None, "none in the config: the engines use (2, L//2, L-3)", source
+    if eagle[0] == 1:
+        return (tuple(j + 1 for j in eagle), f"eagle_config ids {list(eagle)} only: read as SGLang reads them "
+                f"(+1); vLLM ignores them and uses (2, L//2, L-3)", source)
+    return None, (f"eagle_config ids {list(eagle)} only: their meaning follows SGLang's rule for the target; "
+                  f"vLLM ignores them and uses (2, L//2, L-3)"), source
 
 
 def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
@@ -155,6 +221,7 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     speculators = cfg.get("speculators_model_type") is not None
     archs = tuple(cfg.get("architectures") or ())
     unsupported: list[str] = []
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     if speculators:
         if cfg.get("speculators_model_type") != "eagle3":
             raise UserError(f"speculators model type '{cfg.get('speculators_model_type')}' is not an EAGLE-3 head")
@@ -162,52 +229,44 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         if not isinstance(layer, dict):
             raise UserError("speculators config has no 'transformer_layer_config': not an EAGLE-3 speculator")
         where, layout = "the speculators transformer_layer_config", "layers.0"
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if cfg.get(flag):
-                unsupported.append(flag)
+        if layer.get("model_type") not in (None, "llama"):
+            unsupported.append(f"a {layer.get('model_type')} draft layer")
     else:
         looks_eagle3 = ours is not None or any(a in EAGLE3_ARCHS for a in archs) or "draft_vocab_size" in cfg \
-            or isinstance(cfg.get("eagle_config"), dict)
+            or bool(eagle)
         if not looks_eagle3:
             raise UserError(f"config architectures {list(archs)} do not describe an EAGLE-3 head "
-                            f"(expected {DRAFT_ARCH}, {SPECULATORS_ARCH} or a speculators config)")
-        layer, where, layout = cfg, "the head's config.json", "midlayer"
-        if cfg.get("fc_norm") or cfg.get("norm_before_fc"):
-            unsupported.append("fc_norm" if cfg.get("fc_norm") else "norm_before_fc")
-    if cfg.get("norm_before_residual"):
-        unsupported.append("norm_before_residual")
+                            f"(expected {DRAFT_ARCH}, {MLA_DRAFT_ARCHS[0]}, {SPECULATORS_ARCH} or a speculators config)")
+        layer, where = cfg, "the head's config.json"
+    mla = not speculators and (any(a in MLA_DRAFT_ARCHS for a in archs) or bool(layer.get("kv_lora_rank")))
+    if not speculators:
+        layout = "layers.0" if mla else "midlayer"
     if layer.get("attention_bias") or layer.get("mlp_bias") or cfg.get("bias"):
         unsupported.append("linear biases")
+    options = {k: bool(cfg.get(k)) for k in _OPTION_FLAGS}
+    options["norm_before_fc"] |= bool(eagle.get("norm_before_fc"))
+    options["fc_norm"] |= bool(cfg.get("use_aux_norm"))  # SGLang's legacy name
     hidden = int(_need(layer, "hidden_size", where))
     heads = int(_need(layer, "num_attention_heads", where))
     vocab = int(_need(layer, "vocab_size", where))
     draft_vocab = int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab)
     rope_theta, rope_scaling = _rope(layer)
-    top = _ids(cfg.get("eagle_aux_hidden_state_layer_ids"))
-    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    written_eagle = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"))
-    recorded = None
-    if ours is not None:  # export writes aux_layer_ids; the trainer writes them inside head_config
-        head_config = ours.get("head_config") if isinstance(ours.get("head_config"), dict) else {}
-        recorded = ours.get("aux_layer_ids", head_config.get("aux_layer_ids"))
-        semantics = ours.get("aux_layer_ids_semantics") or head_config.get("aux_layer_ids_semantics")
-        if recorded is not None and semantics not in (None, AUX_IDS_SEMANTICS):
-            raise UserError(f"the head records aux ids as '{semantics}', outrider expects '{AUX_IDS_SEMANTICS}'")
-    if recorded is not None:
-        aux, note, source = _ids(recorded), "recorded by outrider", "outrider"
-    elif speculators:
-        aux, note, source = top, "speculators ids (read as vLLM reads them)", "speculators"
+    sizes: dict[str, int] = {}
+    if mla:
+        sizes = {k: int(layer.get(k) or 0) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim")}
+        if not sizes["q_lora_rank"]:
+            unsupported.append("MLA without q_lora_rank")
+        rope_scaling = _plain_if_unit_yarn(rope_scaling)
+        head_dim, kv_heads = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"], heads  # not config head_dim
     else:
-        source = "eagle3"
-        written = written_eagle or top
-        if written is None:
-            aux, note = None, "none in the config: the engines use (2, L//2, L-3)"
-        elif written[0] == 1:
-            aux = tuple(j + 1 for j in written)
-            note = (f"ids {list(written)} start at 1: read as SGLang reads them (+1, sgl-project/sglang PR 25454); "
-                    f"vLLM would read them unshifted")
-        else:
-            aux, note = written, "as written"
+        head_dim, kv_heads = int(layer.get("head_dim") or hidden // heads), int(layer.get("num_key_value_heads") or heads)
+    window = _window(layer)
+    if mla and window:
+        unsupported.append("a sliding window on an MLA draft")
+    top = _ids(cfg.get("eagle_aux_hidden_state_layer_ids"))
+    written_eagle = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"))
+    aux, note, source = _aux_known(ours, speculators, top, written_eagle)
     record = _record(ours.get("target")) if ours is not None else {}
     trained_for = record.get("name") or None
     if trained_for is None and speculators:
@@ -216,9 +275,8 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     if trained_for is None:
         trained_for = cfg.get("target_model") or cfg.get("base_model") or _front_matter(readme, "base_model")
     return HeadSpec(
-        source=source, layout=layout, architectures=archs, hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads),
+        source=source, layout=layout, architectures=archs, attention="mla" if mla else "gqa", hidden_size=hidden,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=int(_need(layer, "intermediate_size", where)),
         rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 0), vocab_size=vocab,
@@ -227,7 +285,8 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         written_top=top, written_eagle=written_eagle, aux_layer_ids=aux, aux_ids_note=note,
         trained_for=str(trained_for) if trained_for else None, target_record=record,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or ""),
-        quantization=_quant_name(cfg), unsupported=tuple(unsupported),
+        quantization=_quant_name(cfg), unsupported=tuple(unsupported), mla=sizes, options=options,
+        sliding_window=window,
     )
 
 
@@ -286,33 +345,54 @@ def read_head_spec(path: str | Path) -> HeadSpec:
 
 def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Our tensor names and shapes (the ``Eagle3Head`` state dict)."""
-    H, Ht, d = cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return {
-        "fc.weight": (H, 3 * Ht),
+    H, Ht, nh = cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads
+    n_aux = len(cfg.aux_layer_ids)
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, n_aux * Ht)}
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (n_aux * Ht,)
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (Ht,) for i in range(n_aux)})
+    attn = "midlayer.self_attn."
+    if cfg.attention == "mla":
+        rq, rkv, dn, dr, dv = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                               cfg.v_head_dim)
+        shapes.update({
+            attn + "q_a_proj.weight": (rq, 2 * H), attn + "q_a_layernorm.weight": (rq,),
+            attn + "q_b_proj.weight": (nh * (dn + dr), rq), attn + "kv_a_proj_with_mqa.weight": (rkv + dr, 2 * H),
+            attn + "kv_a_layernorm.weight": (rkv,), attn + "kv_b_proj.weight": (nh * (dn + dv), rkv),
+            attn + "o_proj.weight": (H, nh * dv)})
+    else:
+        q, kv = nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shapes.update({attn + "q_proj.weight": (q, 2 * H), attn + "k_proj.weight": (kv, 2 * H),
+                       attn + "v_proj.weight": (kv, 2 * H), attn + "o_proj.weight": (H, q)})
+    shapes.update({
         "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
         "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, H),
         "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, H),
         "midlayer.mlp.down_proj.weight": (H, cfg.intermediate_size),
         "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
-    }
+    })
+    return shapes
 
 
 def _rename(name: str, src: str, dst: str) -> str:
     return dst + name[len(src):] if name.startswith(src) else name
 
 
+def layer_prefix(cfg: Eagle3Config, fmt: str) -> str:
+    """The decoder layer's name prefix in ``fmt``: ``layers.0.`` for speculators and MLA drafts
+    (the published MLA checkpoints' names; SGLang and vLLM read both), ``midlayer.`` otherwise."""
+    return _LAYERS0 if fmt == "speculators" or cfg.attention == "mla" else _OUR_LAYER
+
+
 def format_names(cfg: Eagle3Config, fmt: str) -> set[str]:
     """The exact tensor names a checkpoint in ``fmt`` holds for this head."""
-    names = set(expected_shapes(cfg))
-    if fmt == "speculators":
-        names = {_rename(n, _OUR_LAYER, _SPECULATORS_LAYER) for n in names}
-        if cfg.draft_vocab_size == cfg.vocab_size:  # speculators registers no vocab buffers then
-            names -= {"d2t", "t2d"}
+    prefix = layer_prefix(cfg, fmt)
+    names = {_rename(n, _OUR_LAYER, prefix) for n in expected_shapes(cfg)}
+    if fmt == "speculators" and cfg.draft_vocab_size == cfg.vocab_size:  # speculators registers no vocab buffers
+        names -= {"d2t", "t2d"}
     return names
 
 
@@ -320,9 +400,9 @@ def to_format_state_dict(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict
     """The head's tensors under ``fmt``'s names; weights cast to ``dtype``, d2t int64, t2d bool."""
     out: dict[str, torch.Tensor] = {}
     keep = format_names(head.config, fmt)
+    prefix = layer_prefix(head.config, fmt)
     for name, tensor in head.state_dict().items():
-        if fmt == "speculators":
-            name = _rename(name, _OUR_LAYER, _SPECULATORS_LAYER)
+        name = _rename(name, _OUR_LAYER, prefix)
         if name not in keep:
             continue
         t = tensor.detach().to("cpu")
@@ -331,12 +411,17 @@ def to_format_state_dict(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict
     return out
 
 
-def _to_our_names(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+def _to_our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if state and all(k.startswith("model.") for k in state if k != "lm_head.weight"):
         state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    if layout == "layers.0":
-        state = {_rename(k, _SPECULATORS_LAYER, _OUR_LAYER): v for k, v in state.items()}
-    return {k: v for k, v in state.items() if k not in _DROPPED_ON_IMPORT}
+    out = {}
+    for k, v in state.items():
+        k = _rename(k, _LAYERS0, _OUR_LAYER)
+        for legacy, new in _LEGACY.items():
+            k = _rename(k, legacy, new)
+        if k not in _DROPPED_ON_IMPORT:
+            out[k] = v
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,10 +486,10 @@ def check_against_target(cfg: Eagle3Config, target_config: Any) -> None:
     if cfg.vocab_size != info.vocab_size:
         raise UserError(f"the head was built for a vocabulary of {cfg.vocab_size}, the target has "
                         f"{info.vocab_size}: this head was trained for another model")
-    bad = [j for j in cfg.aux_layer_ids if not 0 <= j < info.num_layers]
+    bad = [j for j in cfg.aux_layer_ids if not 0 <= j <= info.num_layers]
     if bad:
         raise UserError(f"the head's aux layer ids {bad} are out of range: the target has {info.num_layers} "
-                        f"layers (ids 0..{info.num_layers - 1})")
+                        f"layers (ids 0..{info.num_layers}, {info.num_layers} = the last layer's output)")
 
 
 def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = torch.float32,
@@ -419,14 +504,15 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
         if spec.draft_vocab_size > arch_info(target).vocab_size:
             raise UserError(f"the head's draft vocabulary ({spec.draft_vocab_size}) is larger than the target's "
                             f"vocabulary ({arch_info(target).vocab_size}): this head was trained for another model")
-        cfg = spec.eagle3_config(arch_info(target).num_layers)
+        info = arch_info(target)
+        cfg = spec.eagle3_config(info.num_layers, info.model_type)
         check_against_target(cfg, target)
     else:
         cfg = spec.eagle3_config()
     if spec.num_hidden_layers != 1:
         raise UserError(f"the head has {spec.num_hidden_layers} decoder layers; outrider runs single-layer "
                         f"EAGLE-3 heads")
-    state = _to_our_names(_read_tensors(path), spec.layout)
+    state = _to_our_names(_read_tensors(path))
     shapes = expected_shapes(cfg)
     if "d2t" not in state:
         if cfg.draft_vocab_size != cfg.vocab_size:

@@ -3,31 +3,32 @@
 Contract (DESIGN.md, "EAGLE-3 head and export contract"):
 - ``fc`` Linear(3*H_t -> H, no bias) fuses the three aux hidden states of the target
   (``fuse``). Aux id ``j`` is the hidden state *entering* target decoder layer ``j``
-  (Hugging Face ``output_hidden_states[j]``).
-- ``midlayer`` is one Llama decoder layer whose attention reads
-  ``[input_layernorm(e); hidden_norm(h)]`` (width 2H: q/k/v take 2H inputs), where ``e`` is the
-  target's (frozen) embedding of the input token and ``h`` the hidden input; the residual runs
-  on ``h``. ``h`` is the fused target feature at the first draft step and the head's own
-  ``hidden_out`` afterwards; ``hidden_out = h + attn + mlp(...)`` is the pre-norm output.
-- ``norm`` then ``lm_head`` Linear(H -> draft_vocab, no bias) give the draft logits.
-  ``map_to_target`` turns draft ids into target ids with ``d2t`` (``target = i + d2t[i]``).
-- The state dict holds exactly ``fc.weight``, ``midlayer.{input_layernorm,hidden_norm,
-  post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
-  ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` and the
-  buffers ``d2t`` (int64 [draft_vocab]) and ``t2d`` (bool [vocab]). The embedding is the
-  target's and is never part of it: callers embed the tokens (``bind_embedding`` keeps an
-  unregistered reference for convenience).
-- Attention is ``scaled_dot_product_attention``. With a ``cache`` (an
-  ``outrider.kv_cache.SlotCache`` with one layer, or anything with the same ``update``) the
-  head writes its new keys/values through ``cache.update(k, v, 0)`` and attends over what it
-  returns; the caller reserves slots (``cache.begin``), passes the mask
-  (``cache.attention_mask``) and commits (``cache.commit``).
-- Rotary embedding with the target's rope settings (``rope_theta`` and the scaling dict), the
-  Llama rotate-half convention; its frequencies stay float32 whatever dtype the head is cast to.
+  (Hugging Face ``output_hidden_states[j]``); ``j = L`` is the last layer's output before the
+  final norm. EAGLE 3.1 options normalise the aux states first: ``fc_norm`` one RMSNorm per
+  aux chunk (``fc_norm.{i}``), ``norm_before_fc`` one over their concatenation (``input_norm``).
+- ``midlayer`` is one decoder layer whose attention reads ``[input_layernorm(e); hidden_norm(h)]``
+  (width 2H), where ``e`` is the target's (frozen) embedding of the input token and ``h`` the
+  hidden input; the residual runs on ``h`` (on ``hidden_norm(h)`` with ``norm_before_residual``).
+  The attention is GQA (Llama, ``outrider.heads.attention``) or MLA (``attention="mla"``,
+  ``outrider.heads.mla``), with a dense SwiGLU MLP either way. ``h`` is the fused target feature
+  at the first draft step and the head's own ``hidden_out`` afterwards: the pre-norm output
+  ``h + attn + mlp(...)``, or its ``norm`` with ``norm_output``.
+- ``norm`` (unless already applied) then ``lm_head`` Linear(H -> draft_vocab, no bias) give the
+  draft logits. ``map_to_target`` turns draft ids into target ids with ``d2t`` (``i + d2t[i]``).
+- The state dict holds ``fc.weight`` (and the 3.1 norms), ``midlayer.*`` (norms, attention
+  projections, ``mlp.{gate,up,down}_proj``), ``norm.weight``, ``lm_head.weight`` and the buffers
+  ``d2t`` (int64 [draft_vocab]) and ``t2d`` (bool [vocab]). The embedding is the target's and is
+  never part of it: callers embed the tokens (``bind_embedding`` keeps an unregistered reference).
+- With a ``cache`` (anything with ``update(k, v, 0)``, e.g. the proposer's ``HeadCache``) the head
+  writes its new keys/values through it and attends over what it returns; the caller passes the
+  mask. ``sliding_window`` W > 0 (GQA heads only): a query sees the last W positions.
+- Rotary embedding with the target's rope settings (``rope_theta`` and the scaling dict); GQA heads
+  rotate halves (Llama), MLA heads interleaved pairs of their rope slice; the frequencies stay
+  float32 whatever dtype the head is cast to.
 
-Not done here: drafting loops and trees (``outrider.proposers``), training (``outrider.train``),
-checkpoint formats (``outrider.export``), dynamic-NTK or longrope switching at run time (the
-frequencies are computed once from the scaling dict).
+Not done here: drafting loops and trees (``outrider.decode.proposers``), training
+(``outrider.train``), checkpoint formats (``outrider.heads.formats``), dynamic-NTK or longrope
+switching at run time (the frequencies are computed once from the scaling dict).
 """
 
 from __future__ import annotations
@@ -38,29 +39,32 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
 )
 
-from outrider.decode.slot_attention import slot_attention
 from outrider.errors import UserError
+from outrider.heads.attention import GQAAttention, window_mask
+from outrider.heads.mla import MLA_FIELDS, MLAAttention, mla_shapes
 from outrider.models import arch_info
 
-SLOT_QUERIES = 64  # up to this many queries over a cache attend by slot_attention (a draft step)
-
 AUX_IDS_SEMANTICS = "id j = hidden state entering target decoder layer j = HF output_hidden_states[j]"
+ATTENTIONS = ("gqa", "mla")
+OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")  # EAGLE 3.1 & co
 _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 
 
 @dataclass
 class Eagle3Config:
-    """Sizes of an EAGLE-3 head; ``for_target`` copies them from the target's config."""
+    """Sizes of an EAGLE-3 head; ``for_target`` copies them from the target's config.
+
+    ``attention="mla"``: ``head_dim`` is the query/key width ``qk_nope_head_dim + qk_rope_head_dim``
+    and ``num_key_value_heads`` the number of heads (keys and values are per head once expanded).
+    """
 
     hidden_size: int
     num_attention_heads: int
@@ -77,6 +81,17 @@ class Eagle3Config:
     rope_scaling: dict[str, Any] | None = None  # the target's, with "rope_type"; None = plain RoPE
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+    attention: str = "gqa"  # "gqa" (Llama) | "mla" (DeepSeek-V2/V3 latent attention)
+    q_lora_rank: int = 0  # MLA sizes (0 for GQA heads)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states ("input_norm")
+    fc_norm: bool = False  # one RMSNorm per aux state, each with its own weight ("fc_norm.{i}")
+    norm_output: bool = False  # hidden_out (fed back to the next step) is the normed output
+    sliding_window: int = 0  # > 0: a query sees the last this many positions (GQA only)
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(j) for j in self.aux_layer_ids)
@@ -85,32 +100,64 @@ class Eagle3Config:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise UserError(f"draft vocabulary size {self.draft_vocab_size} must be in 1..{self.vocab_size} "
                             "(the target's vocabulary)")
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.attention not in ATTENTIONS:
+            raise UserError(f"head attention '{self.attention}' is not one of {', '.join(ATTENTIONS)}")
+        if self.attention == "mla":
+            bad = [k for k in MLA_FIELDS if not int(getattr(self, k)) > 0]
+            if bad:
+                raise UserError(f"an MLA head needs positive {', '.join(bad)} (SGLang refuses an MLA draft "
+                                "without q_lora_rank)")
+            if self.qk_rope_head_dim % 2:
+                raise UserError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotary pairs)")
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.num_key_value_heads = self.num_attention_heads
+            if self.sliding_window:
+                raise UserError("a sliding window is served for GQA heads only: neither vLLM's nor SGLang's MLA "
+                                "draft reads one")
+            if self.norm_before_fc:
+                raise UserError("norm_before_fc (input_norm) is read by no engine's MLA draft: use fc_norm")
+        elif self.num_attention_heads % self.num_key_value_heads:
             raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.norm_before_fc and self.fc_norm:
+            raise UserError("norm_before_fc and fc_norm exclude each other (as in speculators): choose one")
+        if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 0:
+            raise UserError(f"sliding_window must be an integer >= 0 (0 = full attention), got {self.sliding_window!r}")
+        self.sliding_window = int(self.sliding_window)
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
 
     @classmethod
-    def for_target(cls, target_config: Any, draft_vocab_size: int,
-                   aux_layer_ids: Sequence[int] | None = None) -> "Eagle3Config":
+    def for_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: Sequence[int] | None = None,
+                   attention: str = "gqa", **options: Any) -> "Eagle3Config":
         """A head sized like the target (a ``PretrainedConfig`` or a config.json dict).
 
-        Width, heads, MLP size, norm eps, rope and positions are the target's; for an MLA target
-        (DeepSeek-V3, Kimi) the head is plain multi-head attention with ``head_dim = H / heads``.
-        Aux ids default to ``(2, L//2, L-3)``.
+        Width, heads, MLP size, norm eps, rope and positions are the target's. GQA heads (the
+        default) take the target's head layout; on an MLA target (DeepSeek-V3, Kimi) plain
+        multi-head attention with ``head_dim = H / heads``. MLA heads (``attention="mla"``) take
+        the target's MLA sizes when it has them (``mla_shapes``). ``options``: EAGLE 3.1 switches
+        (``OPTIONS``) and MLA sizes overriding the defaults. Aux ids default to ``(2, L//2, L-3)``;
+        ``L`` (the last layer's output) is allowed.
         """
         cfg = target_config if isinstance(target_config, dict) else target_config.to_dict()
         info = arch_info(cfg)
         if aux_layer_ids is None:
             aux_layer_ids = info.default_aux_layer_ids()
-        bad = [j for j in aux_layer_ids if not 0 <= int(j) < info.num_layers]
+        bad = [j for j in aux_layer_ids if not 0 <= int(j) <= info.num_layers]
         if bad:
             raise UserError(f"aux layer ids {bad} out of range: the target has {info.num_layers} layers "
-                            f"(ids 0..{info.num_layers - 1})")
+                            f"(ids 0..{info.num_layers}, {info.num_layers} = the last layer's output)")
+        unknown = sorted(set(options) - set(OPTIONS) - set(MLA_FIELDS))
+        if unknown:
+            raise UserError(f"unknown head option(s) {', '.join(unknown)}: use {', '.join(OPTIONS + MLA_FIELDS)}")
         text = _text_config(cfg)
         rope_theta, rope_scaling = _rope_from_config(text)
         mla = info.attention == "MLA"
         intermediate = info.intermediate_size or math.ceil(8 * info.hidden_size / 3 / 64) * 64  # SwiGLU 8H/3
+        extra: dict[str, Any] = {}
+        if attention == "mla":
+            extra = {**mla_shapes(info), **{k: int(v) for k, v in options.items() if k in MLA_FIELDS}}
+        elif any(k in MLA_FIELDS for k in options):
+            raise UserError("MLA sizes given for a GQA head: pass attention='mla' (train: head_attention 'mla')")
         return cls(
             hidden_size=info.hidden_size,
             num_attention_heads=info.num_heads,
@@ -125,7 +172,15 @@ class Eagle3Config:
             draft_vocab_size=int(draft_vocab_size),
             target_hidden_size=info.hidden_size,
             aux_layer_ids=tuple(int(j) for j in aux_layer_ids),
+            attention=attention,
+            **extra,
+            **{k: v for k, v in options.items() if k in OPTIONS},
         )
+
+    @property
+    def value_dim(self) -> int:
+        """Width of one head's value (and of its attention output)."""
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -154,11 +209,13 @@ class Eagle3Config:
         return params
 
     def llama_config(self) -> LlamaConfig:
-        """A ``LlamaConfig`` with the head's sizes (for the rotary and MLP building blocks)."""
+        """A ``LlamaConfig`` with the head's sizes (for the rotary and MLP building blocks; its
+        ``head_dim`` is the rotary width: the rope slice of an MLA head)."""
         return LlamaConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.qk_rope_head_dim if self.attention == "mla" else self.head_dim, hidden_act=self.hidden_act,
             max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
             rope_parameters=self.rope_parameters(), tie_word_embeddings=False,
         )
@@ -215,63 +272,15 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: [batch, n] -> cos, sin: [batch, n, head_dim]
+        # position_ids: [batch, n] -> cos, sin: [batch, n, rotary width]
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-class Eagle3Attention(nn.Module):
-    """Llama attention over a 2H-wide input; SDPA; keys/values through an optional slot cache."""
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        H, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, heads, n, d] and k, v [B, kv, n, d] of x [B, n, 2H], rotary applied to q and k."""
-        B, n, _ = x.shape
-        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, n, d]
-        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, n, d]
-        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
-               cache: Any | None) -> torch.Tensor:
-        """Attention of q over k, v (through the cache when given; ``slot_attention`` for a few queries
-        over a cache, SDPA otherwise: prompts, training) -> [B, n, heads * d], before ``o_proj``."""
-        B, _, n, _ = q.shape
-        if cache is not None:
-            k, v = cache.update(k, v, 0)  # [B, kv, S, d]: everything the cache hands back
-            if attention_mask is None:
-                attention_mask = cache.attention_mask(
-                    torch.ones(B, n, dtype=torch.bool, device=q.device),
-                    torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), q.dtype)
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.to(q.dtype)
-        if cache is not None and n <= SLOT_QUERIES:  # drafting: two matrix products, no flash kernel walking S
-            out, _ = slot_attention(self, q, k, v, attention_mask)  # [B, n, heads, d]
-            return out.reshape(B, n, self.num_heads * self.head_dim)
-        g = self.num_heads // self.num_kv_heads
-        if g > 1:  # GQA by expansion: keeps the masked fused kernels usable
-            k = k[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)  # [B, heads, S, d]
-            v = v[:, :, None].expand(-1, -1, g, -1, -1).flatten(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
-                                             is_causal=attention_mask is None)  # [B, heads, n, d]
-        return out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
-        # x: [batch, n, 2H]; cos/sin: [batch, n, head_dim]
-        q, k, v = self.project(x, cos, sin)
-        return self.o_proj(self.attend(q, k, v, attention_mask, cache))
+def make_attention(config: Eagle3Config) -> nn.Module:
+    """The layer's attention module for ``config.attention``."""
+    return MLAAttention(config) if config.attention == "mla" else GQAAttention(config)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -280,15 +289,16 @@ class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(H, eps=eps)
         self.hidden_norm = LlamaRMSNorm(H, eps=eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = make_attention(config)
         self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
         self.mlp = LlamaMLP(config.llama_config())
 
     def forward(self, input_embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
-        # input_embeds, hidden: [batch, n, H] -> hidden_out [batch, n, H] (pre-norm)
+        # input_embeds, hidden: [batch, n, H] -> [batch, n, H] (pre-norm)
         q, k, v = self.before_attention(input_embeds, hidden, cos, sin)
         return self.after_attention(hidden, self.self_attn.attend(q, k, v, attention_mask, cache))
 
@@ -298,8 +308,9 @@ class Eagle3DecoderLayer(nn.Module):
         return self.self_attn.project(x, cos, sin)
 
     def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, n, H]; attended: [B, n, heads * d] -> hidden_out [B, n, H]
-        h = hidden + self.self_attn.o_proj(attended)
+        # hidden: [B, n, H]; attended: [B, n, heads * d_v] -> [B, n, H] (pre-norm)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -309,10 +320,13 @@ class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        H = config.hidden_size
-        self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
+        H, Ht, eps = config.hidden_size, config.target_hidden_size, config.rms_norm_eps
+        n_aux = len(config.aux_layer_ids)
+        self.input_norm = LlamaRMSNorm(n_aux * Ht, eps=eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(Ht, eps=eps) for _ in range(n_aux)) if config.fc_norm else None
+        self.fc = nn.Linear(n_aux * Ht, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(H, eps=eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.rotary = Rotary(config)  # no persistent state
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -328,6 +342,11 @@ class Eagle3Head(nn.Module):
                 nn.init.normal_(module.weight, std=self.config.initializer_range)
             elif isinstance(module, LlamaRMSNorm):
                 nn.init.ones_(module.weight)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax scale of the head's attention (None: ``head_dim ** -0.5``)."""
+        return self.midlayer.self_attn.scaling
 
     # --- vocabulary -----------------------------------------------------------------------
 
@@ -364,36 +383,47 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         # aux: [batch, n, 3*H_t] (ids in config order) -> [batch, n, H]
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)  # 3 x [batch, n, H_t]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
     def forward_hidden(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, cache: Any | None = None) -> torch.Tensor:
-        """One draft step without the logits: returns ``hidden_out`` [batch, n, H] (pre-norm)."""
+        """One draft step without the logits: returns ``hidden_out`` [batch, n, H]."""
         # input_embeds, hidden: [batch, n, H]; position_ids: [batch, n]
         # attention_mask: [batch, 1, n, S] additive float or bool (True = may attend); None = causal
-        cos, sin = self.rotary(position_ids, hidden.dtype)
-        return self.midlayer(input_embeds, hidden, cos, sin, attention_mask, cache)
+        # (windowed by position when the head has a sliding window and no cache)
+        if attention_mask is None and self.config.sliding_window:
+            if cache is not None:
+                raise ValueError("a sliding-window head over a cache needs the caller's mask (HeadCache.mask)")
+            attention_mask = window_mask(position_ids, position_ids, self.config.sliding_window)[:, None]
+        q, k, v = self.before_attention(input_embeds, hidden, position_ids)
+        return self.after_attention(hidden, self.attend(q, k, v, attention_mask, cache))
 
     # one draft step in two parts around the attention (training runs them compiled, the attention eager)
 
     def before_attention(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, heads, n, d], k, v [B, kv, n, d] of one step: norms, projections, rotary."""
+        """q [B, heads, n, d], k [B, kv, n, d], v [B, kv, n, d_v] of one step: norms, projections, rotary."""
         cos, sin = self.rotary(position_ids, hidden.dtype)
         return self.midlayer.before_attention(input_embeds, hidden, cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
                cache: Any | None) -> torch.Tensor:
-        """The step's attention -> [B, n, heads * d] (``forward_hidden``'s mask and cache conventions)."""
+        """The step's attention -> [B, n, heads * d_v] (``forward_hidden``'s mask and cache conventions)."""
         return self.midlayer.self_attn.attend(q, k, v, attention_mask, cache)
 
     def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """hidden_out [B, n, H] from the step's hidden input and its attention output."""
-        return self.midlayer.after_attention(hidden, attended)
+        out = self.midlayer.after_attention(hidden, attended)  # [B, n, H] pre-norm
+        return self.norm(out) if self.config.norm_output else out
 
     def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         # hidden_out: [..., H] -> draft logits [..., draft_vocab]
-        return self.lm_head(self.norm(hidden_out))
+        return self.lm_head(hidden_out if self.config.norm_output else self.norm(hidden_out))
 
     def forward(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: Any | None = None

@@ -6,34 +6,35 @@ Contract:
   directory replaces ``out`` it is read back with ``load_head`` and the reloaded head's logits
   on random inputs must equal the in-memory head's (same dtype, same ops): a head whose tensors
   SGLang would silently ignore never ships. Any missing or unknown tensor name fails the export.
-- ``load_head(path, target_config=None)`` reads heads written by outrider, SpecForge and SGLang
-  (``LlamaForCausalLMEagle3``, ``midlayer.*``), SafeAILab EAGLE-3 (same names, often
-  ``pytorch_model.bin``) and speculators (``Eagle3Speculator``, ``layers.0.*``, nested
-  ``transformer_layer_config``); an ``embed_tokens.weight`` is dropped (the target's is used), a
-  missing ``d2t`` is the identity when the draft vocabulary is the whole vocabulary. Checked
-  against ``target_config`` when given: hidden size, vocabulary, draft vocabulary, aux ids.
-- ``read_head_spec(path)`` describes a head from its config.json alone (``inspect`` uses it).
+- GQA heads are ``LlamaForCausalLMEagle3`` with ``midlayer.*`` tensors; MLA heads are
+  ``Eagle3DeepseekV2ForCausalLM`` (``model_type`` ``deepseek_v3``, the MLA sizes, ``layers.0.*``
+  tensors, unfused ``q_a_proj`` / ``kv_a_proj_with_mqa``), which SGLang and vLLM both load. EAGLE
+  3.1 options are written under the keys the engines read (``fc_norm``, ``norm_output``,
+  ``norm_before_fc``, ``norm_before_residual``; tensors ``fc_norm.{i}.weight``,
+  ``input_norm.weight``), a sliding window as ``sliding_window`` + ``layer_types``.
+- ``load_head(path, target_config=None)`` reads heads written by outrider, SpecForge, SGLang,
+  SafeAILab EAGLE-3, speculators and the published MLA drafts (``outrider.heads.checkpoint``).
 - Our own checkpoint layout (``save_head``; the trainer's output) is the ``vllm`` format plus the
   ``outrider`` section, in float32.
 
-Aux layer ids. outrider's id ``j`` is the hidden state entering target decoder layer ``j``
-(Hugging Face ``output_hidden_states[j]``). vLLM reads ``eagle_aux_hidden_state_layer_ids`` at
-the top level of the draft config verbatim with the same meaning (``get_eagle3_aux_layers_from_config``
-in ``vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``; the target appends the state before
-running layer ``j``) and falls back to ``(2, L//2, L-3)``. SGLang reads the ids from
-``eagle_config`` and, since sgl-project/sglang PR 25454 (May 2026), adds 1 to them only when the
-first id is 1 (earlier releases added 1 always); its fallback is ``(2, L//2, L-3)`` unshifted.
-So the ``sglang`` format writes ``j - 1`` for every id when the first id is 2 (the default): the
-first written id is 1 and SGLang old and new shift it back to ``j``. Other first ids are written
-as they are (right for SGLang with PR 25454; LAUNCH.md says so); a first id of 1 cannot be
-expressed for SGLang and is refused. The ``vllm`` and ``speculators`` formats write the ids
-unchanged. Every format records the true ids and their meaning in the ``outrider`` section.
+Aux layer ids (``outrider.heads.engines``). outrider's id ``j`` is the hidden state entering
+target decoder layer ``j``. Each engine reads its own key: vLLM the top-level
+``eagle_aux_hidden_state_layer_ids`` (verbatim), SGLang ``eagle_config``'s (plus 1, by the
+target's rule). Every format writes the top-level ids as they are and, in ``eagle_config``,
+the ids that make SGLang capture the same layers on this target (``j - 1`` for the default
+``(2, L//2, L-3)`` on any target); ``sglang`` refuses ids SGLang cannot be made to read,
+``vllm`` then keeps them unshifted and says so. The ``speculators`` format writes the top-level
+ids only. Every format records the true ids and their meaning in the ``outrider`` section.
 vLLM's speculators reader defaults ``norm_before_residual`` to true when it is absent, so it is
-always written (false: the residual is the un-normalised hidden state).
+always written.
 
-Not done here: quantised heads, multi-layer drafts, heads whose attention has biases or whose
-inputs are normalised before ``fc`` (``norm_before_fc``, ``fc_norm``): those are refused with a
-``UserError``. No network access: a target is a local folder, a GGUF file or ``default``.
+The ``speculators`` format runs in speculators as written: it names its verifier by a path or
+hub id that resolves (never the alias ``default``) and carries the target's embedding (speculators
+fills a missing one only while it is NaN, and ``from_pretrained`` leaves zeros), so it needs the
+target (``--target`` or the one the head records). It holds GQA heads only.
+
+Not done here: quantised heads, multi-layer drafts, heads with attention biases. No network
+access: a target is a local folder, a GGUF file or ``default``.
 """
 
 from __future__ import annotations
@@ -51,9 +52,7 @@ from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
 from outrider.heads.checkpoint import (
     _DTYPES,
-    DRAFT_ARCH,
     FORMATS,
-    SPECULATORS_ARCH,
     _record,
     check_against_target,
     format_names,
@@ -63,14 +62,20 @@ from outrider.heads.checkpoint import (
     to_format_state_dict,
 )
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
-
-_SGLANG_SHIFT_NOTE = ("SGLang adds 1 to explicit aux ids when the first id is 1 (always, before "
-                      "sgl-project/sglang PR 25454)")
-
+from outrider.heads.engines import (
+    DRAFT_ARCH,
+    MLA_DRAFT_ARCH,
+    SPECULATORS_ARCH,
+    option_issues,
+    serves_last_layer,
+    sglang_writes,
+)
+from outrider.heads.launch import launch_text
 
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ExportReport:
@@ -82,7 +87,8 @@ class ExportReport:
     num_tensors: int
     dtype: str
     aux_layer_ids: list[int]  # outrider meaning
-    written_aux_layer_ids: list[int]  # what the config says
+    written_aux_layer_ids: list[int]  # top level: what vLLM reads
+    written_eagle_aux_layer_ids: list[int] | None  # eagle_config: what SGLang reads (None: not written)
     max_abs_logit_diff: float  # reloaded vs in-memory head, random inputs
     launch: str  # LAUNCH.md text
     notes: list[str] = field(default_factory=list)
@@ -92,25 +98,33 @@ class ExportReport:
 
     def summary(self) -> str:
         """A few lines for the terminal: what was written, how it was checked, where the flags are."""
+        nested = "" if self.written_eagle_aux_layer_ids is None else \
+            f", eagle_config {self.written_eagle_aux_layer_ids} (SGLang)"
         lines = [f"wrote a {self.format} EAGLE-3 checkpoint to {self.out}: {self.num_tensors} tensors, {self.dtype}",
-                 f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids}",
+                 f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids} (vLLM){nested}",
                  f"reload check: max |logit difference| {self.max_abs_logit_diff:.3g} on random inputs",
                  *(f"note: {n}" for n in self.notes),
                  f"launch commands: {Path(self.out) / 'LAUNCH.md'}"]
         return "\n".join(lines)
 
 
-def written_aux_ids(ids: Sequence[int], fmt: str) -> tuple[tuple[int, ...], str]:
-    """The ids to write for ``fmt`` and how that engine reads them back (see module docstring)."""
+def written_aux_ids(ids: Sequence[int], fmt: str, model_type: str | None = None
+                    ) -> tuple[tuple[int, ...], tuple[int, ...] | None, str]:
+    """(top-level ids for vLLM, ``eagle_config`` ids for SGLang or None, how SGLang reads them)."""
     ids = tuple(int(j) for j in ids)
-    if fmt != "sglang":
-        return ids, "read verbatim by vLLM: " + AUX_IDS_SEMANTICS
-    if ids[0] == 2:
-        return tuple(j - 1 for j in ids), f"outrider id minus 1; {_SGLANG_SHIFT_NOTE}, giving the outrider ids back"
-    if ids[0] == 1:
-        raise UserError(f"aux layer ids {list(ids)} start at 1, which SGLang reads as 2 (sgl-project/sglang PR 25454): "
-                        f"export with --format vllm, or train with the default ids (2, L//2, L-3)")
-    return ids, "verbatim; needs an SGLang release with PR 25454 (older releases add 1 to every id)"
+    if fmt == "speculators":
+        return ids, None, "speculators format: top-level ids only (vLLM's reading)"
+    try:
+        nested, note = sglang_writes(ids, model_type)
+    except UserError as e:
+        if fmt == "sglang":
+            raise
+        return ids, ids, f"unshifted; SGLang's reading of them needs the target ({e})"
+    if nested is None:
+        if fmt == "sglang":
+            raise UserError(f"{note}: export with --format vllm (vLLM reads the ids as they are)")
+        return ids, ids, f"unshifted: {note}"
+    return ids, nested, note
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -119,9 +133,28 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _rope_fields(cfg: Eagle3Config) -> dict[str, Any]:
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    if scaling is None and cfg.attention == "mla":
+        # vLLM's MLA draft takes rope_theta from the scaling dict only (10000 without one): plain RoPE
+        # as YaRN of factor 1, which both engines compute as plain RoPE with this theta
+        scaling = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": cfg.max_position_embeddings,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "rope_theta": cfg.rope_theta}
     if scaling is not None:
         scaling.setdefault("type", scaling["rope_type"])  # the pre-transformers-4.45 key some readers still use
     return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
+
+
+def _option_fields(cfg: Eagle3Config) -> dict[str, Any]:
+    """EAGLE 3.1 keys, written when set (``norm_before_residual`` always: see the module docstring)."""
+    out: dict[str, Any] = {"norm_before_residual": cfg.norm_before_residual}
+    out.update({k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, k)})
+    return out
+
+
+def _window_fields(cfg: Eagle3Config) -> dict[str, Any]:
+    if not cfg.sliding_window:
+        return {}
+    return {"sliding_window": cfg.sliding_window, "layer_types": ["sliding_attention"], "use_sliding_window": True}
 
 
 def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
@@ -131,17 +164,34 @@ def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
         "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
         **_rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings, "num_hidden_layers": 1,
         "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "pretraining_tp": 1,
+        "pretraining_tp": 1, **_window_fields(cfg),
+    }
+
+
+def _mla_fields(cfg: Eagle3Config) -> dict[str, Any]:
+    return {
+        "model_type": "deepseek_v3", "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "head_dim": cfg.qk_rope_head_dim,  # transformers' DeepseekV3 rotary width (not the query width)
+        "rope_interleave": True, "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, **_rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings,
+        "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
     }
 
 
 def config_dict(cfg: Eagle3Config, fmt: str, dtype: torch.dtype, outrider: dict[str, Any],
-                num_speculative_tokens: int = 3) -> dict[str, Any]:
+                num_speculative_tokens: int = 3, model_type: str | None = None,
+                verifier: str | None = None) -> dict[str, Any]:
     """config.json for ``fmt`` (the ``outrider`` section is passed in and stored as is)."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}")
-    ids, _ = written_aux_ids(cfg.aux_layer_ids, fmt)
+    top, nested, _ = written_aux_ids(cfg.aux_layer_ids, fmt, model_type)
     if fmt == "speculators":
+        if cfg.attention == "mla":
+            raise UserError("the speculators format holds Llama (GQA) drafts only: export an MLA head with "
+                            "--format vllm or --format sglang")
         layer = _llama_fields(cfg)
         layer["rope_parameters"] = cfg.rope_parameters()
         target = outrider.get("target") or {}
@@ -154,26 +204,27 @@ def config_dict(cfg: Eagle3Config, fmt: str, dtype: torch.dtype, outrider: dict[
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": target.get("name_or_path"),
-                             "architectures": list(target.get("architectures") or [])},
+                "verifier": {"name_or_path": verifier, "architectures": list(target.get("architectures") or [])},
             },
             "transformer_layer_config": layer,
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(ids),
-            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "eagle_aux_hidden_state_layer_ids": list(top),
+            "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+            "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
             "embed_requires_grad": False,
             "torch_dtype": _dtype_name(dtype),
             "outrider": outrider,
         }
+    mla = cfg.attention == "mla"
     return {
-        "architectures": [DRAFT_ARCH],
-        **_llama_fields(cfg),
+        "architectures": [MLA_DRAFT_ARCH if mla else DRAFT_ARCH],
+        **(_mla_fields(cfg) if mla else _llama_fields(cfg)),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": False,
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(ids)},
-        "eagle_aux_hidden_state_layer_ids": list(ids),
+        **_option_fields(cfg),
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(nested)},
+        "eagle_aux_hidden_state_layer_ids": list(top),
         "torch_dtype": _dtype_name(dtype),
         "outrider": outrider,
     }
@@ -203,6 +254,47 @@ def _target_record(target: str | None) -> tuple[dict[str, Any], dict[str, Any] |
     if fingerprint.get("vocab_sha256"):
         record["tokenizer"] = fingerprint
     return record, tcfg
+
+
+def _local_target(record: dict[str, Any]) -> str | None:
+    """The recorded target as a spec that resolves on this machine (``default`` or a path), or None."""
+    from outrider.models import resolve
+
+    for key in ("name_or_path", "name"):
+        spec = record.get(key)
+        if not spec:
+            continue
+        try:
+            resolve(spec)
+        except UserError:
+            continue
+        return str(spec)
+    return None
+
+
+def _recorded_model_type(record: dict[str, Any]) -> str | None:
+    if record.get("model_type"):
+        return str(record["model_type"])
+    spec = _local_target(record)
+    if spec is None:
+        return None
+    from outrider.models import arch_info, load_config_dict
+
+    return arch_info(load_config_dict(spec)).model_type
+
+
+def _verifier(target: str | None, record: dict[str, Any]) -> str:
+    """speculators' ``verifier.name_or_path``: the target's resolved path, or the recorded hub id."""
+    from outrider.models import resolve
+
+    spec = target or _local_target(record)
+    if spec is not None:
+        return str(resolve(spec))
+    name = str(record.get("name_or_path") or record.get("name") or "")
+    if "/" in name and not name.startswith(("/", ".", "~")):  # a hub id: speculators resolves it itself
+        return name
+    raise UserError("the speculators format names the verifier the head was trained for: pass --target "
+                    "(a local folder or default)")
 
 
 def _target_embedding(target: str, cfg: Eagle3Config) -> torch.Tensor:
@@ -237,53 +329,9 @@ def _target_embedding(target: str, cfg: Eagle3Config) -> torch.Tensor:
     return emb
 
 
-def launch_text(fmt: str, out: Path, cfg: Eagle3Config, written: Sequence[int], written_note: str,
-                target: str | None, target_cfg: dict[str, Any] | None, k: int = 3) -> str:
-    """LAUNCH.md: the engine command lines for this head and what to watch out for."""
-    from outrider.models import arch_info
-
-    tgt = str(target) if target and str(target) != "default" else "<target model>"
-    info = arch_info(target_cfg) if target_cfg is not None else None
-    remote = bool(target_cfg and (target_cfg.get("auto_map") or str(info.model_type).startswith("kimi")))
-    trc = " --trust-remote-code" if remote else ""
-    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
-    mla_spec = dict(spec, attention_backend="FLASH_ATTN")
-    lines = [f"# Serving this EAGLE-3 head ({fmt} format)", "",
-             f"Aux layer ids (outrider meaning: {AUX_IDS_SEMANTICS}): {list(cfg.aux_layer_ids)}; "
-             f"written in config.json as {list(written)} ({written_note}).", ""]
-    if fmt in ("vllm", "speculators"):
-        lines += ["## vLLM", "", "```bash",
-                  f"vllm serve {tgt}{trc} \\", f"  --speculative-config '{json.dumps(spec)}'", "```", "",
-                  "- vLLM reads `eagle_aux_hidden_state_layer_ids` at the top level of config.json as written "
-                  "(id j = the state entering layer j) and defaults to (2, L//2, L-3) without it.",
-                  "- MLA targets (DeepSeek-V3, Kimi-K2/K2.5): the draft is a plain GQA Llama layer. If the draft "
-                  "fails to start on an MLA-only attention backend, give it its own backend (vLLM PR 39930):",
-                  "", "```bash", f"  --speculative-config '{json.dumps(mla_spec)}'", "```", ""]
-        if fmt == "speculators":
-            lines += ["- speculators format: vLLM maps `Eagle3Speculator` to its EAGLE-3 Llama draft; "
-                      "`speculators_config.verifier.name_or_path` names the target it was trained for.", ""]
-    sglang_cmd = ["```bash", f"python -m sglang.launch_server --model-path {tgt}{trc} \\",
-                  "  --speculative-algorithm EAGLE3 \\", f"  --speculative-draft-model-path {out} \\",
-                  f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-                  "```", ""]
-    if fmt == "sglang":
-        lines += ["## SGLang", "", *sglang_cmd,
-                  f"- SGLang reads the ids in `eagle_config`; {_SGLANG_SHIFT_NOTE}. The ids above are written so "
-                  "that SGLang captures the layers the head was trained on.",
-                  "- Do not hand this folder to vLLM: it reads the same ids without the shift. Export with "
-                  "`--format vllm` for vLLM.", ""]
-    elif fmt == "vllm" and written[0] != 1:
-        lines += ["## SGLang (releases with sgl-project/sglang PR 25454, May 2026, or later)", "", *sglang_cmd,
-                  f"- {_SGLANG_SHIFT_NOTE}: these ids do not start at 1, so a current SGLang reads them unshifted. "
-                  "For an older SGLang export with `--format sglang`.", ""]
-    if info is not None and info.is_moe:
-        lines += [f"- MoE target ({info.num_experts} experts, {info.experts_per_token} per token): every verified "
-                  "token wakes more experts, so keep chains (top-k 1) and few draft tokens.", ""]
-    return "\n".join(lines)
-
-
 def ascending_aux_order(head: Eagle3Head) -> Eagle3Head:
-    """The same head with its aux ids ascending (``fc`` column blocks permuted to match).
+    """The same head with its aux ids ascending (``fc`` column blocks, and the per-chunk
+    ``fc_norm`` weights, permuted to match).
 
     vLLM and SGLang append the aux states inside the target's layer loop, so they hand the
     draft its states in ascending layer order whatever order the config lists; each layer is
@@ -296,11 +344,17 @@ def ascending_aux_order(head: Eagle3Head) -> Eagle3Head:
     order = sorted(range(len(ids)), key=lambda i: ids[i])
     if order == list(range(len(ids))):
         return head
+    if head.input_norm is not None:
+        raise UserError(f"aux layer ids {list(ids)} are not ascending and norm_before_fc normalises their "
+                        "concatenation as listed: the engines' layer order cannot be written for this head")
     out = copy.deepcopy(head)
     Ht = head.config.target_hidden_size
     blocks = head.fc.weight.detach().split(Ht, dim=1)  # 3 x [H, H_t], in the config's id order
     with torch.no_grad():
         out.fc.weight.copy_(torch.cat([blocks[i] for i in order], dim=1))
+        if head.fc_norm is not None:
+            for new, old in enumerate(order):
+                out.fc_norm[new].weight.copy_(head.fc_norm[old].weight)
     out.config = replace(head.config, aux_layer_ids=tuple(ids[i] for i in order))
     return out
 
@@ -336,15 +390,21 @@ def _resolve_head(head_or_dir: Eagle3Head | str | Path, target_cfg: dict[str, An
     return head, meta
 
 
+def _options(cfg: Eagle3Config) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc",
+                                         "sliding_window")}
+
+
 def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, target: str | None = None, *,
            dtype: str = "bfloat16", num_speculative_tokens: int = 3, include_embeddings: bool = False,
            extra: dict[str, Any] | None = None) -> ExportReport:
     """Write a servable checkpoint of a head (in memory, or a checkpoint folder) in ``format``.
 
     ``target`` (a local model folder, GGUF file or ``default``) is checked against the head,
-    recorded as the model the head was trained for and used in LAUNCH.md.
-    ``include_embeddings`` copies the target's input embedding into the checkpoint as
-    ``embed_tokens.weight`` (peers such as SpecForge expect it; the engines share the target's).
+    recorded as the model the head was trained for and used in LAUNCH.md and for SGLang's aux-id
+    rule. ``include_embeddings`` copies the target's input embedding into the checkpoint as
+    ``embed_tokens.weight`` (SpecForge expects it; the engines share the target's); the
+    ``speculators`` format always carries it.
     """
     if format not in FORMATS:
         raise UserError(f"unknown export format '{format}': use one of {', '.join(FORMATS)}")
@@ -359,29 +419,45 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
         check_against_target(cfg, target_cfg)
     elif meta.get("target"):
         record = dict(meta["target"])
-    if include_embeddings and target is None:
+    from outrider.models import arch_info
+
+    model_type = arch_info(target_cfg).model_type if target_cfg is not None else _recorded_model_type(record)
+    num_layers = arch_info(target_cfg).num_layers if target_cfg is not None else record.get("num_layers")
+    embedding_from = target
+    verifier = None
+    if format == "speculators":
+        verifier = _verifier(target, record)
+        embedding_from = target or _local_target(record)
+        if embedding_from is None:
+            raise UserError("the speculators format carries the target's embedding (speculators would run with "
+                            "zeros without it): pass --target")
+        include_embeddings = True
+    elif include_embeddings and target is None:
         raise UserError("--include-embeddings needs the target (its embedding is copied into the checkpoint)")
-    written, written_note = written_aux_ids(cfg.aux_layer_ids, format)
+    top, nested, nested_note = written_aux_ids(cfg.aux_layer_ids, format, model_type)
+    if format == "sglang" and num_layers and max(cfg.aux_layer_ids) >= num_layers:
+        raise UserError(f"aux id {max(cfg.aux_layer_ids)} is the target's last layer output, which SGLang never "
+                        "captures (it captures before each layer): export with --format vllm")
     section = {k: v for k, v in meta.items() if k not in ("format", "version", "target")}
     section.update(extra or {})
     section.update({
         "format": format, "version": __version__,
         "aux_layer_ids": list(cfg.aux_layer_ids), "aux_layer_ids_semantics": AUX_IDS_SEMANTICS,
-        "written_aux_layer_ids": list(written), "written_aux_layer_ids_read_as": written_note,
+        "written_aux_layer_ids": list(top), "written_aux_layer_ids_read_as": "verbatim by vLLM: " + AUX_IDS_SEMANTICS,
         "target": record,
     })
-    config = config_dict(cfg, format, torch_dtype, section, num_speculative_tokens)
+    if nested is not None:
+        section.update({"written_eagle_aux_layer_ids": list(nested), "written_eagle_aux_layer_ids_read_as": nested_note})
+    config = config_dict(cfg, format, torch_dtype, section, num_speculative_tokens, model_type, verifier)
     tensors = to_format_state_dict(head, format, torch_dtype)
     expected = format_names(cfg, format)
     if set(tensors) != expected:
         raise UserError(f"export would write tensors {sorted(set(tensors) ^ expected)[:5]} that the {format} "
                         f"format does not define: the head's state dict is not an EAGLE-3 head")
     if include_embeddings:
-        tensors["embed_tokens.weight"] = _target_embedding(target, cfg).to(torch_dtype).contiguous()
+        tensors["embed_tokens.weight"] = _target_embedding(embedding_from, cfg).to(torch_dtype).contiguous()
     notes: list[str] = []
     if target_cfg is not None:
-        from outrider.models import arch_info
-
         tmax = arch_info(target_cfg).max_position_embeddings
         if tmax and cfg.max_position_embeddings < tmax:
             notes.append(f"the head's max_position_embeddings ({cfg.max_position_embeddings}) is below the "
@@ -389,11 +465,12 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     if head is not original:
         notes.append(f"aux ids {list(original.config.aux_layer_ids)} written in ascending order "
                      f"{list(cfg.aux_layer_ids)} (fc columns permuted): the engines capture them in layer order")
-    if format == "sglang" and written != cfg.aux_layer_ids:
-        notes.append(f"aux ids written as {list(written)} for SGLang's +1 shift "
-                     f"(outrider ids {list(cfg.aux_layer_ids)})")
+    if nested is not None and nested != top and not nested_note.startswith("unshifted"):
+        notes.append(f"eagle_config ids written as {list(nested)} for SGLang's rule (outrider ids {list(top)})")
+    notes += engine_notes(cfg, model_type, num_layers, nested_note)
     out = Path(out).expanduser().resolve()
-    launch = launch_text(format, out, cfg, written, written_note, target, target_cfg, num_speculative_tokens)
+    launch = launch_text(format, out, cfg, top, nested, nested_note, target, target_cfg, model_type,
+                         num_speculative_tokens)
     reference = copy.deepcopy(original).to(device="cpu", dtype=torch_dtype).eval()
     from safetensors.torch import save_file
 
@@ -409,8 +486,24 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
                             f"{diff:.3g}): nothing was written to {out}")
         files = sorted(p.name for p in tmp.iterdir())
     return ExportReport(format=format, out=str(out), files=files, num_tensors=len(tensors), dtype=dtype,
-                        aux_layer_ids=list(cfg.aux_layer_ids), written_aux_layer_ids=list(written),
+                        aux_layer_ids=list(cfg.aux_layer_ids), written_aux_layer_ids=list(top),
+                        written_eagle_aux_layer_ids=None if nested is None else list(nested),
                         max_abs_logit_diff=diff, launch=launch, notes=notes)
+
+
+def engine_notes(cfg: Eagle3Config, model_type: str | None, num_layers: int | None, nested_note: str) -> list[str]:
+    """What an engine will not serve of this head, or serves only under a condition."""
+    notes = []
+    for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        blocking, caveats = option_issues(cfg.attention, _options(cfg), engine)
+        if blocking:
+            notes.append(f"{label} does not read {', '.join(blocking)}: it would serve this head wrongly")
+        notes += [f"{label}: {c}" for c in caveats]
+        if num_layers and max(cfg.aux_layer_ids) >= num_layers and not serves_last_layer(engine, model_type):
+            notes.append(f"{label} cannot capture aux id {num_layers} (the last layer's output) on this target")
+    if nested_note.startswith("unshifted"):
+        notes.append(f"eagle_config ids {nested_note}")
+    return notes
 
 
 def save_head(head: Eagle3Head, out: str | Path, target: str | None = None,

@@ -30,24 +30,28 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import (
-    DRAFT_ARCH,
-    SPECULATORS_ARCH,
-    HeadSpec,
-    expected_shapes,
-    read_head_spec,
+from outrider.heads.checkpoint import HeadSpec, read_head_spec
+from outrider.heads.draft_checks import (
+    FAIL,
+    PASS,
+    WARN,
+    Check,
+    architecture_checks,
+    attention_checks,
+    aux_checks,
+    option_checks,
+    weights_checks,
 )
 from outrider.models import (
     ArchInfo,
     arch_info,
     load_config_dict,
-    read_json_object,
     resolve,
     target_name,
     tokenizer_fingerprint,
 )
 
-PASS, WARN, FAIL = "pass", "warn", "fail"
+__all__ = ["FAIL", "PASS", "WARN", "Check", "InspectReport", "inspect", "render", "to_json"]
 
 # Target model types whose EAGLE-3 aux capture each engine implements. vLLM: the
 # ``eagle3_target_supported`` list in ``vllm/config/speculative.py`` (llama, qwen, minicpm, gpt_oss,
@@ -57,16 +61,6 @@ PASS, WARN, FAIL = "pass", "warn", "fail"
 _VLLM_EAGLE3 = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan", "afmoe")
 _VLLM_EAGLE3_RECENT = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25")
 _SGLANG_EAGLE3 = ("llama", "qwen", "deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25", "gpt_oss")
-_VLLM_DRAFT_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", SPECULATORS_ARCH)
-_SGLANG_DRAFT_ARCHS = (DRAFT_ARCH,)
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "pass" | "warn" | "fail"
-    reason: str
-    engine: str | None = None  # None: both engines; "vllm" | "sglang": only that one
 
 
 @dataclass
@@ -195,154 +189,6 @@ def _tokenizer_checks(target_fp: dict[str, Any], draft_fp: dict[str, Any] | None
     return checks
 
 
-def _read_small_tensors(path: Path, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """(the named tensors, all tensor shapes) of a head folder, reading only what is needed."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    files: list[Path]
-    if (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").exists():
-        weight_map = read_json_object(path / "model.safetensors.index.json").get("weight_map") or {}
-        files = [path / f for f in sorted(set(weight_map.values()))]
-    elif (path / "pytorch_model.bin").exists():
-        try:
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError) as e:
-            raise UserError(f"cannot read {path / 'pytorch_model.bin'}: {str(e).splitlines()[0]}") from None
-        return {k: state[k] for k in names if k in state}, {k: tuple(v.shape) for k, v in state.items()}
-    else:
-        return {}, {}
-    tensors: dict[str, Any] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        try:
-            with safe_open(f, framework="pt") as handle:
-                for k in handle.keys():
-                    shapes[k] = tuple(handle.get_slice(k).get_shape())
-                    if k in names:
-                        tensors[k] = handle.get_tensor(k)
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"cannot read {f}: {e} (the file is corrupt or truncated)") from None
-    return tensors, shapes
-
-
-def _weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
-    import torch
-
-    tensors, shapes = _read_small_tensors(path, ("d2t", "t2d"))
-    if not shapes:
-        return [Check("d2t", WARN, "no weights in the draft folder: draft vocabulary mapping not checked")]
-    checks = []
-    try:
-        cfg = spec.eagle3_config(info.num_layers)
-    except UserError as e:
-        return [Check("weights", WARN, f"not checked: {e}")]
-    expected = expected_shapes(cfg)
-    renamed = {}
-    for k, s in shapes.items():
-        k = k[len("model."):] if k.startswith("model.") else k
-        k = "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
-        renamed[k] = s
-    renamed = {k: s for k, s in renamed.items() if k not in ("embed_tokens.weight", "verifier_lm_head.weight",
-                                                               "verifier_norm.weight")}
-    core = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}
-    unknown = sorted(set(renamed) - set(expected))
-    missing = sorted(set(core) - set(renamed))
-    wrong = [k for k in core if k in renamed and renamed[k] != core[k]]
-    if unknown or missing or wrong:
-        detail = "; ".join(p for p in (f"unknown {unknown[:3]}" if unknown else "", f"missing {missing[:3]}" if missing
-                                       else "", f"shape of {wrong[:3]}" if wrong else "") if p)
-        checks.append(Check("weights", FAIL, f"tensors disagree with config.json: {detail}"))
-    else:
-        checks.append(Check("weights", PASS, f"{len(renamed)} tensors match config.json"))
-    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
-    if d2t is None:
-        if spec.draft_vocab_size == spec.vocab_size:
-            checks.append(Check("d2t", PASS, "no d2t; the draft vocabulary is the whole vocabulary (identity)"))
-        else:
-            checks.append(Check("d2t", FAIL, f"no d2t although the draft vocabulary ({spec.draft_vocab_size}) is "
-                                f"smaller than the vocabulary: draft ids cannot be mapped to target ids"))
-        return checks
-    d2t = d2t.long()
-    targets = torch.arange(d2t.numel()) + d2t
-    problems = []
-    if d2t.numel() != spec.draft_vocab_size:
-        problems.append(f"length {d2t.numel()} != draft vocab {spec.draft_vocab_size}")
-    if d2t.numel() and (int(targets.min()) < 0 or int(targets.max()) >= info.vocab_size):
-        problems.append(f"maps outside the target vocabulary 0..{info.vocab_size - 1}")
-    elif targets.unique().numel() != targets.numel():
-        problems.append("maps two draft ids to one target id")
-    if t2d is not None and not problems:
-        t2d = t2d.bool()
-        if t2d.numel() != info.vocab_size or int(t2d.sum()) != d2t.numel() or not bool(t2d[targets].all()):
-            problems.append("t2d disagrees with d2t")
-    if problems:
-        checks.append(Check("d2t", FAIL, "invalid draft vocabulary mapping: " + "; ".join(problems)))
-    else:
-        checks.append(Check("d2t", PASS, f"maps {d2t.numel()} draft ids to distinct target ids"))
-    return checks
-
-
-def _aux_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
-    L = info.num_layers
-    intended = spec.aux_layer_ids
-    for name, ids in (("trained", intended), ("vLLM", spec.vllm_reads(L)), ("SGLang", spec.sglang_reads(L))):
-        bad = [j for j in (ids or ()) if not 0 <= j < L]
-        if bad:
-            raise UserError(f"the draft's aux layer ids ({name} reading {list(ids)}) include {bad}, beyond the "
-                            f"target's {L} layers (ids 0..{L - 1}): this draft was made for a deeper model")
-    checks = []
-    if intended is not None and len(set(intended)) != len(intended):
-        checks.append(Check("aux layer ids", FAIL, f"{list(intended)} repeat a layer: the engines capture each layer "
-                            f"once and would hand the head fewer than {len(intended)} states"))
-    elif intended is not None and list(intended) != sorted(intended):
-        checks.append(Check("aux layer ids", WARN, f"{list(intended)} are not ascending: the engines hand the states "
-                            f"in layer order; a head trained in the listed order sees them permuted (outrider export "
-                            f"rewrites the order)"))
-    if intended is None:
-        checks.append(Check("aux layer ids", WARN, f"the draft names none ({spec.aux_ids_note}); layers trained on are "
-                            f"unknown, both engines capture {list(spec.vllm_reads(L))}"))
-    else:
-        checks.append(Check("aux layer ids", PASS, f"{list(intended)} within 0..{L - 1} ({spec.aux_ids_note})"))
-    for engine, reads in (("vllm", spec.vllm_reads(L)), ("sglang", spec.sglang_reads(L))):
-        if engine == "sglang" and spec.source == "speculators":
-            continue
-        label = "vLLM" if engine == "vllm" else "SGLang"
-        written = spec.written_eagle or spec.written_top
-        older = ""
-        if engine == "sglang" and written and written[0] != 1:
-            older = f" (SGLang before PR 25454 would capture {[j + 1 for j in written]}: use a current release)"
-        if intended is None or tuple(reads) == tuple(intended):
-            checks.append(Check("aux ids as read", PASS, f"{label} captures {list(reads)}{older}", engine))
-        else:
-            fix = "--format vllm" if engine == "vllm" else "--format sglang"
-            checks.append(Check("aux ids as read", FAIL, f"{label} would capture {list(reads)}, the head was trained "
-                                f"on {list(intended)}: re-export with outrider export {fix}", engine))
-    if spec.source == "eagle3" and intended is not None and (spec.written_eagle or spec.written_top or (0,))[0] == 1:
-        checks.append(Check("aux id convention", WARN, "ids starting at 1 are read differently by vLLM (unshifted) and "
-                            "SGLang (+1, PR 25454); outrider follows SGLang"))
-    return checks
-
-
-def _architecture_checks(spec: HeadSpec) -> list[Check]:
-    archs = spec.architectures or ((SPECULATORS_ARCH,) if spec.source == "speculators" else ())
-    checks = []
-    if spec.source == "speculators" or any(a in _VLLM_DRAFT_ARCHS for a in archs):
-        checks.append(Check("draft architecture", PASS, f"vLLM loads {list(archs)}", "vllm"))
-    else:
-        checks.append(Check("draft architecture", FAIL, f"vLLM does not load architectures {list(archs)} as an EAGLE-3 "
-                            f"draft: re-export with outrider export --format vllm", "vllm"))
-    if spec.source != "speculators" and any(a in _SGLANG_DRAFT_ARCHS for a in archs):
-        checks.append(Check("draft architecture", PASS, f"SGLang loads {list(archs)}", "sglang"))
-    else:
-        why = "a speculators checkpoint" if spec.source == "speculators" else f"architectures {list(archs)}"
-        checks.append(Check("draft architecture", FAIL, f"SGLang expects {DRAFT_ARCH}, this is {why}: re-export with "
-                            f"outrider export --format sglang", "sglang"))
-    return checks
-
-
 def _same_folder(spec: str, path: Path) -> bool:
     """Whether a recorded target spec (``default``, a local path) resolves to this target's folder."""
     try:
@@ -445,8 +291,11 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
         raise UserError(f"the draft's config is inconsistent: draft_vocab_size {spec.draft_vocab_size} > vocab_size "
                         f"{spec.vocab_size}")
     origin = {"outrider": "outrider", "speculators": "speculators", "eagle3": "SpecForge/SGLang-style"}[spec.source]
-    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {spec.hidden_size}, {spec.num_attention_heads} "
-                        f"heads x {spec.head_dim}, draft vocab {spec.draft_vocab_size}"))
+    kind = (f"MLA ({spec.num_attention_heads} heads, q_lora {spec.mla['q_lora_rank']}, kv_lora "
+            f"{spec.mla['kv_lora_rank']}, rope {spec.mla['qk_rope_head_dim']})" if spec.attention == "mla"
+            else f"{spec.num_attention_heads} heads x {spec.head_dim}")
+    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {spec.hidden_size}, {kind}, draft vocab "
+                        f"{spec.draft_vocab_size}"))
     draft_fp, source = None, ""
     if any((draft_path / n).exists() for n in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")):
         draft_fp, source = tokenizer_fingerprint(draft_path), "its tokenizer files"
@@ -468,11 +317,12 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
     if spec.hidden_size != info.hidden_size:
         checks.append(Check("embedding width", FAIL, f"the draft's hidden size {spec.hidden_size} differs from the "
                             f"target's {info.hidden_size}, whose embedding it reuses"))
-    checks += _aux_checks(spec, info)
-    checks += _weights_checks(draft_path, spec, info)
-    checks += _architecture_checks(spec)
+    checks += aux_checks(spec, info)
+    checks += weights_checks(draft_path, spec, info)
+    checks += architecture_checks(spec)
+    checks += option_checks(spec)
     checks += _engine_support(types)
-    checks += _attention_checks(info)
+    checks += attention_checks(spec, info)
     if not spec.max_position_embeddings or not info.max_position_embeddings:
         checks.append(Check("max positions", WARN, "max_position_embeddings missing on one side"))
     elif spec.max_position_embeddings >= info.max_position_embeddings:

@@ -45,7 +45,14 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.models import arch_info, input_device, load_config_dict, load_model, load_tokenizer, resolve
+from outrider.models import (
+    arch_info,
+    input_device,
+    load_config_dict,
+    load_model,
+    load_tokenizer,
+    resolve,
+)
 from outrider.progress import Bar
 from outrider.train import cache
 from outrider.train.datasets import load_split, read_manifest

@@ -36,7 +36,13 @@ import torch
 
 from outrider import models
 from outrider.errors import UserError
-from outrider.models import arch_info, is_dispatched, load_tokenizer, parse_dtype, resident_weight
+from outrider.models import (
+    arch_info,
+    is_dispatched,
+    load_tokenizer,
+    parse_dtype,
+    resident_weight,
+)
 from outrider.train import flops
 from outrider.train.cache import OutriderCache, dequantize
 from outrider.train.capture import Captured, TargetCapture, TeacherHead

@@ -63,5 +63,6 @@ def head_flops(body: int, lm: int, tokens: int, counted: float, steps: int) -> f
 
 
 def head_attention_flops(config: Any, tokens: int, pairs: int, steps: int) -> float:
-    width = config.num_attention_heads * config.head_dim  # query heads x head width (q k^T and p v alike)
-    return sum(6.0 * 2 * (pairs + j * tokens) * width for j in range(steps))
+    # query heads x (key width for q k^T + value width for p v); MLA values are narrower than its keys
+    width = config.num_attention_heads * (config.head_dim + getattr(config, "value_dim", config.head_dim))
+    return sum(6.0 * (pairs + j * tokens) * width for j in range(steps))

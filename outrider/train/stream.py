@@ -50,7 +50,13 @@ from outrider.errors import UserError
 from outrider.models import check_aux_ids, parse_dtype, resolve
 from outrider.train.int4 import Int4Scheme
 from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
-from outrider.train.weights import SafetensorsFiles, build_tensor, decoder_prefix, keep_fp32_pattern, module_recipes
+from outrider.train.weights import (
+    SafetensorsFiles,
+    build_tensor,
+    decoder_prefix,
+    keep_fp32_pattern,
+    module_recipes,
+)
 
 SUPPORTED = ("llama", "deepseek_v3")  # the families whose model forward the layer loop restates, tested
 GB = 1e9

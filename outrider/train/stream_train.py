@@ -37,7 +37,7 @@ from outrider.errors import UserError
 from outrider.train import cache, flops
 from outrider.train.capture import TeacherHead
 from outrider.train.datasets import Batch, BatchCursor, load_split
-from outrider.train.features import CacheSplit, CachedFeatures
+from outrider.train.features import CachedFeatures, CacheSplit
 from outrider.train.stream import StreamedTarget
 
 

@@ -287,14 +287,16 @@ class _Trainer:
             self.vocab = saved
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
-        head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids)
+        head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
+                                           attention=cfg.head_attention, **cfg.head_options())
         if len(set(head_cfg.aux_layer_ids)) != 3:
             raise UserError(f"aux layer ids {list(head_cfg.aux_layer_ids)} repeat a layer (the target has "
                             f"{arch_info(target_cfg).num_layers} layers), so no engine could serve the head: "
                             "pass three distinct ids with --aux-layers")
         self.config = cfg = cfg.replace(aux_layer_ids=head_cfg.aux_layer_ids)
-        if init_head is not None:
+        if init_head is not None:  # a fine-tune keeps the --init head's architecture (attention, options)
             self._check_init_fits(init_head.config, head_cfg)
+            head_cfg = init_head.config
         torch.manual_seed(cfg.seed)
         self.head = Eagle3Head(head_cfg)
         self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
@@ -405,8 +407,7 @@ class _Trainer:
 
     @staticmethod
     def _check_init_fits(have: Eagle3Config, want: Eagle3Config) -> None:
-        keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
+        keys = ("hidden_size", "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
         bad = [k for k in keys if getattr(have, k) != getattr(want, k)]
         if bad:
             diff = ", ".join(f"{k} {getattr(have, k)} vs {getattr(want, k)}" for k in bad)

@@ -22,7 +22,10 @@ to learn (``outrider.train.data``).
   diagonal entry are computed (~S^2/2 + i*S*128 products at step i instead of (i+1)*S^2), GQA
   without expanding the keys. It needs right padding (each row's real tokens first, as the
   trainer's batches are): a real query then never reaches a padding key, and padding queries
-  count nowhere.
+  count nowhere. A head with a sliding window ``W`` sees, as at inference, only keys within ``W``
+  positions of the query's own (``pos_t + i``): step-0 keys ``s`` with ``t + i - s < W`` and its
+  drafts ``j`` with ``i - j < W`` (one mask per step). The softmax scale is the head's (MLA:
+  ``outrider.heads.mla``); MLA keys and values arrive expanded per head, values narrower than keys.
 - Loss: soft cross-entropy ``-sum_v p(v) log q(v)`` with ``p = softmax(teacher row)``, i.e. the
   target distribution restricted to the draft vocabulary and renormalised, and ``q`` the head's
   draft distribution. Position ``t`` counts at step ``i`` iff ``x_t`` is real and the predicted
@@ -78,7 +81,8 @@ class StepKV:
     """Keys/values of the unrolled steps, concatenated along the sequence (autograd-friendly).
 
     Offers the ``update(k, v, layer_idx)`` the head calls on a cache: it appends this step's
-    keys/values and returns all steps' so far, ``[batch, kv_heads, (i+1)*S, head_dim]``.
+    keys/values and returns all steps' so far, ``[batch, kv_heads, (i+1)*S, head_dim]`` (values
+    ``v_head_dim`` wide).
     """
 
     def __init__(self) -> None:
@@ -103,24 +107,50 @@ def ttt_block_mask(real: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.cat([context_mask(real)] + [eye.expand(B, 1, S, S)] * (steps - 1), dim=-1)
 
 
+def ttt_step_mask(real: torch.Tensor, step: int, window: int) -> torch.Tensor:
+    """``ttt_block_mask``'s first ``(step+1)*S`` columns for a head with a sliding ``window`` > 0:
+    [batch, 1, S, (step+1)*S]. The query at t (position ``pos_t + step``) sees step-0 keys s with
+    ``t + step - s < window`` and its own drafts j with ``step - j < window``."""
+    B, S = real.shape
+    ar = torch.arange(S, device=real.device)
+    near = (ar[:, None] + step - ar[None, :]) < window  # [S, S]: real tokens are contiguous, so index = position
+    eye = torch.eye(S, dtype=torch.bool, device=real.device)
+    blocks = [context_mask(real) & near]  # no row is empty: a query always sees its own current-step key
+    blocks += [(eye if step - j < window else torch.zeros_like(eye)).expand(B, 1, S, S) for j in range(1, step + 1)]
+    return torch.cat(blocks, dim=-1)
+
+
 ATTENTIONS = ("dense", "flex")
 
 
-def _flex_mask_mod(S: torch.Tensor) -> Callable:
+def _flex_mask_mod(S: torch.Tensor, step: torch.Tensor | None = None, window: torch.Tensor | None = None) -> Callable:
     """``mask_mod`` of the TTT attention for sequences of ``S`` (a 0-d tensor: one compiled kernel
-    serves every length) over the keys ``[step-0 | step-1 | ...]``, each ``S`` long."""
-    def mask_mod(b, h, q, kv):
-        return torch.where(kv < S, kv <= q, kv % S == q)
-    return mask_mod
+    serves every length) over the keys ``[step-0 | step-1 | ...]``, each ``S`` long; with a
+    ``window`` (0-d tensors ``step`` and ``window``), ``ttt_step_mask``'s."""
+    if window is None:
+        def mask_mod(b, h, q, kv):
+            return torch.where(kv < S, kv <= q, kv % S == q)
+        return mask_mod
+
+    def windowed(b, h, q, kv):
+        block = kv // S  # which step's keys
+        own = torch.where(kv < S, (kv <= q) & (q + step - kv < window), kv % S == q)
+        return own & (step - block < window)
+    return windowed
 
 
 @functools.lru_cache(maxsize=256)
-def flex_block_masks(S: int, steps: int, device: torch.device) -> tuple:
+def flex_block_masks(S: int, steps: int, device: torch.device, window: int = 0) -> tuple:
     """The ``BlockMask`` of each step ``i < steps`` (``S`` queries over ``(i+1)*S`` keys), cached per length."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mod = _flex_mask_mod(torch.tensor(S, device=device))
-    return tuple(create_block_mask(mod, None, None, S, (i + 1) * S, device=device) for i in range(steps))
+    size = torch.tensor(S, device=device)
+    if not window:
+        mod = _flex_mask_mod(size)
+        return tuple(create_block_mask(mod, None, None, S, (i + 1) * S, device=device) for i in range(steps))
+    w = torch.tensor(window, device=device)
+    return tuple(create_block_mask(_flex_mask_mod(size, torch.tensor(i, device=device), w), None, None, S,
+                                   (i + 1) * S, device=device) for i in range(steps))
 
 
 @functools.cache
@@ -217,13 +247,14 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     dtype = None if torch.is_autocast_enabled(device.type) else head.fc.weight.dtype
     with torch.no_grad():
         tokens = embed(input_ids).to(dtype)  # [B, S, H]
+    window = head.config.sliding_window
     if attention == "flex":
         # right padding: no real token after a padding one (checked on the device, no host wait)
         torch._assert_async((real[:, 1:] <= real[:, :-1]).all())
-        block_masks, flex = flex_block_masks(S, steps, device), _flex_attention(device.type)
+        block_masks, flex = flex_block_masks(S, steps, device, window), _flex_attention(device.type)
         mask = None
     else:
-        mask = ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
+        mask = None if window else ttt_block_mask(real, steps)  # [B, 1, S, steps*S]
     kv = StepKV()
     hidden = head.fuse(aux.to(dtype))  # [B, S, H]
     flat_teacher = teacher.reshape(B * S, -1)  # [B*S, draft_vocab]
@@ -235,12 +266,14 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
         token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
         token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
         q, k, v = before(token_in, hidden, positions + i)  # = head.forward_hidden, in three parts
-        if mask is None:
-            keys, values = kv.update(k, v)  # [B, kv_heads, (i+1)*S, d]
-            out = flex(q, keys, values, block_mask=block_masks[i], enable_gqa=True)  # [B, heads, S, d]
-            attended = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, heads * d]
+        if attention == "flex":
+            keys, values = kv.update(k, v)  # [B, kv_heads, (i+1)*S, d], [B, kv_heads, (i+1)*S, d_v]
+            out = flex(q, keys, values, block_mask=block_masks[i], enable_gqa=True,
+                       scale=head.attention_scale)  # [B, heads, S, d_v]
+            attended = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, heads * d_v]
         else:
-            attended = head.attend(q, k, v, mask[..., : (i + 1) * S], kv)
+            step_mask = ttt_step_mask(real, i, window) if window else mask[..., : (i + 1) * S]
+            attended = head.attend(q, k, v, step_mask, kv)
         hidden = after(hidden, attended)
         b, t = index[i]  # [N_i] each
         ce, agree = loss_fn(head.compute_logits(hidden[b, t]), flat_teacher, b * S + t + shift)  # [N_i], [N_i]

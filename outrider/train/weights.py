@@ -42,7 +42,14 @@ from typing import Callable, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.train.int4 import PACKED, SCALE, SHAPE, ZERO, dequant_int4, unpack_int4_rows
+from outrider.train.int4 import (
+    PACKED,
+    SCALE,
+    SHAPE,
+    ZERO,
+    dequant_int4,
+    unpack_int4_rows,
+)
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

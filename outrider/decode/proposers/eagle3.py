@@ -45,30 +45,31 @@ PROMPT_GRAPHS_MAX = 16  # widths per batch size (eager beyond: each graph keeps 
 
 
 class HeadCache:
-    """Keys/values of the head's single layer, ``[batch, kv_heads, slots, head_dim]``, ``slots`` the
-    first multiple of ``SLOT_ALIGN`` above ``max_len``.
+    """Keys ``[batch, kv_heads, slots, head_dim]`` and values ``[batch, kv_heads, slots, v_head_dim]``
+    of the head's single layer (an MLA head's per-head keys and values), ``slots`` the first
+    multiple of ``SLOT_ALIGN`` above ``max_len``.
 
     Slot ``s < max_len`` holds position ``s``; slot ``max_len`` is scratch for padding entries; the
     slots after it stay masked. ``write`` sets where the next ``update`` scatters (``[batch, n]``
     slots). The buffers exist from the start, so a compiled step sees the same tensors (and
-    guards) on every call.
+    guards) on every call. ``window`` > 0: a query at p sees slots p - window + 1 .. p only.
     """
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.max_len = max_len
+                 device: torch.device, v_head_dim: int | None = None, window: int = 0):
+        self.max_len, self.window = max_len, window
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
         size = -(-(max_len + 1) // SLOT_ALIGN) * SLOT_ALIGN  # slots past the scratch one are never seen
         self.slots = torch.arange(size, device=device)  # [size]
         self.write: torch.Tensor | None = None
         self.keys = torch.zeros(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.values = torch.zeros(batch, kv_heads, size, v_head_dim or head_dim, dtype=dtype, device=device)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [batch, kv_heads, n, head_dim]
-        idx = self.write[:, None, :, None].expand_as(k)
-        self.keys.scatter_(2, idx, k)
-        self.values.scatter_(2, idx, v)
+        # k: [batch, kv_heads, n, head_dim]; v: [batch, kv_heads, n, v_head_dim]
+        idx = self.write[:, None, :, None]
+        self.keys.scatter_(2, idx.expand_as(k), k)
+        self.values.scatter_(2, idx.expand_as(v), v)
         return self.keys, self.values
 
     def mask(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,8 @@ class HeadCache:
         # positions, valid: [batch, n]
         sees = self.slots[None, None, :] <= positions[:, :, None]
         sees &= self.slots[None, None, :] < self.max_len
+        if self.window:
+            sees &= self.slots[None, None, :] > positions[:, :, None] - self.window
         scratch = (self.slots == self.max_len)[None, None, :] & ~valid[:, :, None]  # padding sees scratch only
         return torch.where(valid[:, :, None], sees, scratch)[:, None]
 
@@ -115,7 +118,8 @@ class Eagle3Proposer(Proposer):
         else:  # sized in steps of 512: graphs and compiled steps are reused by later requests
             size = -(-ctx.max_len // 512) * 512 if self.use_graphs or ctx.compile else ctx.max_len
             attn = self.head.midlayer.self_attn
-            self.cache = HeadCache(B, size, attn.num_kv_heads, attn.head_dim, self.head.fc.weight.dtype, self.dev)
+            self.cache = HeadCache(B, size, attn.num_kv_heads, attn.head_dim, self.head.fc.weight.dtype, self.dev,
+                                   v_head_dim=attn.v_head_dim, window=self.head.config.sliding_window)
             self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (batch, width, k, prompt) -> graph
             if self.use_graphs:  # one cache (and its graphs) per batch size
                 self._pool[B] = (self.cache, self._graphs)
