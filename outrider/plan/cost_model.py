@@ -376,6 +376,8 @@ class Prediction:
     verify_cost_ratio: float  # verify step over k+1 tokens / plain one-token step
     verify: StepCost
     draft: StepCost
+    batching: str = "continuous"  # "lockstep": the batch runs as long as its slowest row (``batching``)
+    tokens_per_round: float | None = None  # lockstep: tokens a row gains per round of its batch
 
     def dominant(self, top: int = 2) -> list[tuple[str, float]]:
         """Largest terms of the whole speculative step (draft round + verify)."""
@@ -392,6 +394,7 @@ class Prediction:
             "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
             "ar_tokens_per_s": self.ar_tokens_per_s, "expected_tokens": self.expected_tokens,
             "verify_cost_ratio": self.verify_cost_ratio, "ar_step_ms": self.ar_step_s * 1e3,
+            "batching": self.batching, "tokens_per_round": self.tokens_per_round,
             "verify_step_ms": self.verify_step_s * 1e3, "draft_round_ms": self.draft_round_s * 1e3,
             "dominant_terms": [{"term": n, "share": round(s, 4)} for n, s in self.dominant(3)],
         }
