@@ -152,9 +152,12 @@ class RoundsModel:
         w = w / w.sum()
         mults = [p.multiplier for p in spread.rows]
         s = self._normalise(rates, mults, lengths, w)
-        cdfs = [rounds_cdf(scaled(rates, m * s), n) for m, n in zip(mults, lengths)]
+        self.row_rates = [scaled(rates, m * s) for m in mults]  # each row's conditional rates, normalised
+        cdfs = [rounds_cdf(r, n) for r, n in zip(self.row_rates, lengths)]
         size = max(len(c) for c in cdfs)
-        self.cdf = sum(wi * np.pad(c, (0, size - len(c)), constant_values=1.0) for wi, c in zip(w, cdfs))
+        self.row_cdfs = np.stack([np.pad(c, (0, size - len(c)), constant_values=1.0) for c in cdfs])  # [rows, r]
+        self.cdf = w @ self.row_cdfs
+        self.lengths = lengths
         lens = np.array(lengths)
         self.len_cdf = np.array([float(w[lens <= n].sum()) for n in range(int(lens.max()) + 1)])
         self.mean_tokens = float(np.dot(w, lens))
@@ -190,6 +193,17 @@ class RoundsModel:
         rounds = float(np.sum(1.0 - self.cdf ** batch))  # E[max of B] = sum_r P(max > r)
         steps = float(np.sum(1.0 - self.len_cdf ** batch))
         return BatchRounds(batch, mode, self.mean_tokens, rounds, steps, self.tau)
+
+
+    def of_rows(self, rows: Sequence[int]) -> BatchRounds:
+        """One lockstep batch of these rows of the spread (not drawn: exactly these):
+        E[max R] = sum_r 1 - prod_i F_i(r), and max_i N_i plain steps."""
+        rows = list(rows)
+        if not rows:
+            raise UserError("a batch needs at least one row")
+        rounds = float(np.sum(1.0 - np.prod(self.row_cdfs[rows], axis=0)))
+        mean = float(np.mean([self.lengths[i] for i in rows]))
+        return BatchRounds(len(rows), "lockstep", mean, rounds, float(max(self.lengths[i] for i in rows)), self.tau)
 
 
 def batched(pred: Prediction, model: RoundsModel, mode: str) -> Prediction:

@@ -237,14 +237,20 @@ def load_measured(source: "str | Path | Mapping[str, Any] | Measured") -> Measur
 
 def measured_from(path: str | None, decode: Mapping[int, float] | None = None,
                   share: Mapping[int, float] | None = None, count: float | None = None) -> "str | Measured | None":
-    """A file's measurements with values given one by one (command-line flags) over them."""
-    flags = {key: dict(v) if isinstance(v, Mapping) else v
-             for key, v in (("decode_tokens_per_s", decode), ("collective_share", share),
-                            ("collectives_per_token", count)) if v is not None}
-    if not flags:
+    """A file's measurements with values given one by one (command-line flags) over them, batch by batch."""
+    if decode is None and share is None and count is None:
         return path
     data = dict(measured_json(path)) if path else {}
-    data.update(flags)
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: measurements must be a JSON object")
+    for key, given in (("decode_tokens_per_s", decode), ("collective_share", share)):
+        if given is not None:  # batch by batch over the file's
+            old = data.get(key, {})
+            merged = {str(k): v for k, v in old.items()} if isinstance(old, Mapping) else {"1": old}
+            merged.update({str(b): v for b, v in given.items()})
+            data[key] = merged
+    if count is not None:
+        data["collectives_per_token"] = count
     return read_measured(data, f"{Path(path).name} and flags" if path else "measurements given as flags",
                          Path(path).expanduser().parent if path else None)
 
@@ -375,13 +381,31 @@ def _fit_rest(shape: ModelShape, hw: HardwareProfile, tp: int, measured: Measure
             eta_m, eta_c, o = min(1.0, eta_m * scale), min(1.0, eta_c * scale), 0.0
             notes.append("the measured step is faster than the profile's reads: efficiencies raised")
     else:
-        grid = [10 ** (-1.5 + 1.5 * i / 45) for i in range(46)]  # 0.03 .. 1.0
-        best = min(((solve(m, c)[0], m, c) for m in grid for c in grid), key=lambda t: t[0])
-        loss, eta_m, eta_c = best
-        for name in ("m", "c"):  # a parameter that moves no fitted time keeps the profile's value
-            trial = (hw.memory_efficiency, eta_c) if name == "m" else (eta_m, hw.compute_efficiency)
-            if solve(*trial)[0] <= loss * (1 + 1e-6) + 1e-15:
-                eta_m, eta_c = trial
+        grid = [10 ** (-1 + i / 40) for i in range(41)]  # 0.1 .. 1.0: below, a term is mis-modelled, not slow
+
+        def golden(f, x: float) -> float:
+            """Minimise f within a grid step of x (log-spaced grid), golden-section search."""
+            lo, hi = max(0.1, x / 1.06), min(1.0, x * 1.06)
+            for _ in range(40):
+                x1, x2 = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
+                lo, hi = (lo, x2) if f(x1) <= f(x2) else (x1, hi)
+            return (lo + hi) / 2
+
+        def best_m(c: float) -> tuple[float, float]:
+            """(memory efficiency, loss) that fit best at compute efficiency c."""
+            m = golden(lambda x: solve(x, c)[0], min(grid, key=lambda x: solve(x, c)[0]))
+            return m, solve(m, c)[0]
+
+        # decode steps are mostly memory-bound: first the memory efficiency (and overhead) alone; the
+        # compute efficiency moves only where it halves the squared error (compute-bound points)
+        eta_m, loss = best_m(eta_c)
+        c2 = min(grid, key=lambda c: best_m(c)[1])
+        c2 = golden(lambda c: best_m(c)[1], c2)
+        m2, loss2 = best_m(c2)
+        if loss2 < 0.5 * loss - 1e-15:
+            eta_m, eta_c, loss = m2, c2, loss2
+        if solve(hw.memory_efficiency, eta_c)[0] <= loss * (1 + 1e-6) + 1e-15:
+            eta_m = hw.memory_efficiency  # nothing the measurements show depends on it
         o = solve(eta_m, eta_c)[1]
     layer_part = hw.layer_overhead_s * (shape.num_layers + 1)
     total = hw.step_overhead_s + layer_part

@@ -37,15 +37,18 @@ class Rate:
         return "estimate, not measured" if self.kind == "estimate" else self.kind
 
 
-_DATA12 = ("results/h200-data-12.json and h200-data-12-later.json: 1,958,130 + 3,333,735 assistant tokens "
-           "kept from 10,011 + 11,701 regenerated replies in 130.2 + 246.2 s (first and later exchanges, "
-           "our engine, batch 64, CUDA graphs; DESIGN.md: 21k examples in 6.6 min at commit 2bc1054)")
+_DATA12 = ("results/h200-data-12.json and h200-data-12-later.json: 10,011 + 11,701 replies regenerated in 130.2 + "
+           "246.2 s (first and later exchanges, our engine, batch 64, CUDA graphs), at the kept examples' mean reply "
+           "length (1,958,130 / 9,343 and 3,333,735 / 10,713 assistant tokens): 5,739,326 tokens; DESIGN.md: 21k "
+           "examples in 6.6 min at commit 2bc1054")
 _FULL_RUN = ("DESIGN.md, the `full` preset from a bare H200 at commit 2bc1054: 73.6 M tokens in 450 s of "
              "training, 163k tokens/s and MFU 16.6 % over the run (compilation and evaluations included)")
 
 RATES: dict[str, Rate] = {
-    "regen_tokens_per_s": Rate(14_060.0, "regenerated assistant tokens/s (default target, one H200)", _DATA12),
+    "regen_tokens_per_s": Rate(15_250.0, "regenerated assistant tokens/s (default target, one H200)", _DATA12),
     "regen_batch": Rate(64, "sequences decoded together during regeneration", _DATA12),
+    "regen_context": Rate(280, "mean tokens of context while a reply of that run was written",
+                          "results/h200-data-12*.json: examples of 348 and 455 tokens, replies 60 % and 68 % of them"),
     "reply_share": Rate(0.60, "assistant (loss) tokens / all tokens of a regenerated exchange",
                         "results/h200-data-12.json: 1,958,130 loss tokens of 3,254,162 (first exchanges)"),
     "train_tokens_per_s_run": Rate(163_500.0, "training tokens/s over a whole run (default target, one H200)",
@@ -56,9 +59,12 @@ RATES: dict[str, Rate] = {
                            "step 204,330 tokens/s, MFU 22.1 % (also the 2bc1054 run's median)"),
     "train_peak_flops_per_s": Rate(989e12, "FLOP/s the measured MFU is relative to (H200 dense bf16)",
                                    "outrider.train.trainer.PEAK_BF16_FLOPS"),
-    "eval_warmup_s": Rate(60.0, "seconds of compilation and graph capture before a bench's timed passes",
-                          "RESULTS.md, thirteenth session: warm-ups 58 s (AR) and 60 s (EAGLE-3); 45-106 s "
-                          "across builds"),
+    "eval_warmup_s": Rate(75.0, "seconds of compilation and graph capture before a bench's timed passes",
+                          "results/h200-bench-17-clean30v3-{a,b}.json: bench stages of 113 s (fresh machine) and 74 s "
+                          "(second process) around ~25 s of passes; RESULTS.md: 45-106 s per engine across builds"),
+    "eval_ar_tokens_per_s": Rate(735.0, "plain decoding tokens/s of our engine on the default target at batch 1 "
+                                 "(one H200, compiled, prompt forward included)",
+                                 "results/h200-bench-17-clean30v3-a.json: ar_tokens_per_s 734.7"),
     "capture_compute_efficiency": Rate(0.4, "share of the matmul ceiling a target forward over many tokens reaches",
                                        "assumed for stock transformers modules at prefill-sized batches",
                                        "estimate"),
