@@ -129,3 +129,52 @@ def test_planner_lockstep_batching(tmp_path):
     assert "bench.json (4 prompts at batch 1)" in out.getvalue()
     with pytest.raises(UserError, match="--batching"):
         plan("default", "h200", batching="paged", console=console)
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_batch_benchmark_comparisons():
+    """``benchmarks/planner_batches.py``'s comparisons on records shaped as ``bench`` writes them."""
+    pb = _script("planner_batches")
+    one = {"method": "eagle3", "k": 3, "batch_size": 1, "max_new_tokens": 32, "tau": 2.5,
+           "accept_rate_per_pos": [0.7, 0.5, 0.4], "tau_per_batch": [1.5, 3.0, 2.5, 3.5],
+           "row_steps_per_batch": [20, 8, 13, 5], "ar_step_ms": 1.0, "verify_step_ms": 1.2, "draft_step_ms": 0.3,
+           "step_ms": 1.5, "decode_speedup_vs_ar": 1.6}
+    two = dict(one, batch_size=2, ar_step_ms=1.1, verify_step_ms=1.4, draft_step_ms=0.4, step_ms=1.8,
+               decode_speedup_vs_ar=1.3)
+    records = {1: one, 2: two}
+    rows = {r["batch"]: r for r in pb.lockstep_rows(records, 32)}
+    lengths = [30, 24, 32, 18]  # tau x steps, capped at 32
+    assert rows[2]["lockstep_ar_steps"] == 32 + 32  # the longer row of each pair, in whole chunks of 8, capped
+    assert rows[1]["lockstep_ar_steps"] == 32 + 24 + 32 + 24
+    assert rows[2]["lockstep_rounds"] > rows[1]["lockstep_rounds"] / 2  # pairs wait for their slower row
+    assert rows[1]["lockstep_speedup"] == pytest.approx(
+        rows[1]["lockstep_ar_steps"] * 1.0 / (rows[1]["lockstep_rounds"] * 1.5))
+    assert sum(lengths) / rows[1]["lockstep_rounds"] == pytest.approx(2.5, rel=0.1)
+    planned = pb.planner_rows(records, "lockstep", 32)
+    assert set(planned) == {1, 2} and all(v > 0 for v in planned.values())
+
+
+def test_calibration_keeps_the_draft_round_per_batch():
+    from outrider.plan.calibrate import calibrate
+    from outrider.plan.cost_model import DraftSpec, ModelShape, draft_round_cost
+    from outrider.plan.hardware import load_profile
+    from outrider.plan.presets import SMOLLM2_135M
+
+    shape, hw = ModelShape.from_arch(SMOLLM2_135M), load_profile("h200")
+    recs = [{"method": "eagle3", "k": 3, "batch_size": b, "ar_step_ms": ar, "verify_step_ms": v, "draft_step_ms": d}
+            for b, ar, v, d in ((64, 4.6, 7.7, 1.4), (4, 1.6, 2.5, 1.0))]
+    cal = calibrate(recs, shape, hw)
+    assert cal.draft_round_s == {"eagle3": {3: pytest.approx(1.0e-3)}}  # the smallest batch's for other batches
+    table = cal.draft_round_by_batch["eagle3"]
+    assert table == {(3, 64): pytest.approx(1.4e-3), (3, 4): pytest.approx(1.0e-3)}
+    spec = DraftSpec("eagle3", None, 0, cal.draft_round_s["eagle3"], table)
+    assert draft_round_cost(spec, hw, 1, 3, 64, 512).total_s == pytest.approx(1.4e-3)
+    assert draft_round_cost(spec, hw, 1, 3, 16, 512).total_s == pytest.approx(1.0e-3)

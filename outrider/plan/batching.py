@@ -8,11 +8,12 @@ Contract:
 - Rows differ (``RowSpread``): each row draws, with its weight, an acceptance multiplier c (its
   rates are min(1, c a_i)) and a reply length N. The multipliers are normalised so that the
   rows' rounds-weighted tau, 1 + accepted / rounds as a bench pools it, is the pooled tau.
-- ``RoundsModel.at(batch, mode)`` (and ``batched``, which applies it to a ``cost_model.Prediction``): ``lockstep`` (our engine: all rows advance together until the
+- ``RoundsModel.at(batch, mode)``: ``lockstep`` (our engine: all rows advance together until the
   last one ends) runs E[max_i R_i] = sum_{r>=0} 1 - F(r)^B rounds per batch, F the rows' mixture
   CDF (rows drawn independently), and plain decoding E[max_i N_i] steps; ``continuous`` (vLLM,
   SGLang: a finished row's slot is refilled) needs E[N] / tau rounds and E[N] steps per row.
-  Either way a batch emits B E[N] tokens, so tokens/s = B E[N] / (rounds x round time).
+  Either way a batch emits B E[N] tokens, so tokens/s = B E[N] / (rounds x round time): ``batched``
+  applies this to a ``cost_model.Prediction``. ``of_rows`` takes given rows instead of drawn ones.
 
 Worked example: tau = 2.26 at k = 3, 64 rows of 128 tokens alike: E[R] = 57 rounds, but the
 slowest of 64 rows needs about 64; with the rows as unlike as a measured bench's, about 78.
@@ -133,10 +134,6 @@ class BatchRounds:
     def tokens_per_round(self) -> float:
         """Tokens a row gains per round of its batch: tau for continuous batching, less in lockstep."""
         return self.mean_tokens / self.rounds
-
-    @property
-    def ar_tokens_per_step(self) -> float:
-        return self.mean_tokens / self.ar_steps
 
 
 class RoundsModel:

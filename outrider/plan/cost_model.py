@@ -302,13 +302,14 @@ class DraftSpec:
     """How a method proposes k tokens: ``ngram`` (free), ``eagle3`` (a head) or ``draft`` (an LM).
 
     ``measured_round_s`` maps k to a measured draft round (k proposals) in seconds and, where
-    present, replaces the model for that k.
+    present, replaces the model for that k; ``measured_round_by_batch`` maps (k, batch) and wins.
     """
 
     method: str
     shape: ModelShape | None = None
     fc_params: int = 0  # EAGLE-3: fc over the three aux states, once per round
     measured_round_s: Mapping[int, float] = field(default_factory=dict)
+    measured_round_by_batch: Mapping[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> s
 
 
 def eagle3_head_shape(target: ArchInfo, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
@@ -341,8 +342,9 @@ def draft_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, k: int, bat
     forwards of one token per sequence, each with its per-layer overhead but no per-step one
     (they run inside the engine's step), plus, for EAGLE-3, one fc over the aux states.
     """
-    if k in draft.measured_round_s:
-        return StepCost((Term("draft (measured)", draft.measured_round_s[k], bound="overhead"),), k, batch, context)
+    measured = draft.measured_round_by_batch.get((k, batch), draft.measured_round_s.get(k))
+    if measured is not None:
+        return StepCost((Term("draft (measured)", measured, bound="overhead"),), k, batch, context)
     if draft.method == "ngram" or draft.shape is None:
         return StepCost((Term("draft (n-gram lookup)", 0.0, bound="overhead"),), k, batch, context)
     one = step_cost(draft.shape, hw, tp, 1, batch, context, include_step_overhead=False)

@@ -34,7 +34,7 @@ import numpy as np
 
 from outrider.errors import UserError
 from outrider.plan.acceptance import Acceptance
-from outrider.plan.cost_model import ModelShape, allreduce_s, forward_overhead_s, step_cost
+from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
 
 KEYS = ("decode_tokens_per_s", "collective_share", "collectives_per_token", "tp", "context", "source",
@@ -430,7 +430,3 @@ def _changes(shape: ModelShape, before: HardwareProfile, after: HardwareProfile,
         Change("effective link bandwidth", _link_bw(before), _link_bw(after), "GB/s", share_b),
     )
 
-
-def collective_s_per_token(shape: ModelShape, hw: HardwareProfile, tp: int, batch: int = 1) -> float:
-    """Collective seconds of one decode step (for reports)."""
-    return hw.collectives_per_layer * shape.num_layers * allreduce_s(batch * shape.hidden_size * ACT_BYTES, tp, hw)

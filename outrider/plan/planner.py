@@ -3,8 +3,9 @@
 Contract:
 - ``plan(target, hardware, ...)`` needs no weights: ``target`` is a model folder or a
   config-only folder (read with ``load_config_dict`` + ``arch_info``), or a built-in preset
-  (``kimi-k2.5``, ``default`` = SmolLM2-135M). ``hardware`` is a built-in profile name or a
-  profile JSON file (``outrider.cost_model.load_profile``).
+  (``presets.PRESETS``: ``kimi-k2.5``, ``deepseek-v3``, ``gpt-oss-120b``, ``default`` =
+  SmolLM2-135M). ``hardware`` is a built-in profile name or a profile JSON file
+  (``hardware.load_profile``).
 - Acceptance per method comes from a bench JSON (``acceptance``: records with ``method``,
   ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
@@ -12,7 +13,12 @@ Contract:
 - ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
   ``verify_step_ms``...) or a JSON object of measured inputs
   (``single_stream_tokens_per_s``, ``allreduce_share``, ``collectives_per_token``); see
-  ``cost_model.calibrate`` / ``calibrate_measured``.
+  ``cost_model.calibrate`` / ``calibrate_measured``. ``measured`` is what a user measured on
+  their cluster (decode tokens/s by batch, collective share and count, acceptance from our
+  bench or vLLM's / SGLang's metrics): the profile's free parameters are fitted to it and the
+  ones that moved are printed (``measured``).
+- ``batching``: ``continuous`` (serving engines) or ``lockstep`` (our engine: a batch runs as long
+  as its slowest row, ``batching``).
 - Prints one table per batch size (method x k: expected tokens, verify/step cost ratio,
   draft round, tokens/s, speedup) and a recommendation per batch naming the dominant cost
   terms; ``json_path`` receives the rows (atomically), ``plot_dir`` PNG plots when
@@ -279,7 +285,8 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         for method, table in calibration.draft_round_s.items():
             if method in drafts:
                 d = drafts[method]
-                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table))
+                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table),
+                                           dict(calibration.draft_round_by_batch.get(method, {})))
 
     accept: dict[str, dict[int, Acceptance]]
     sources: dict[str, str] = {}
