@@ -1,13 +1,15 @@
 """Predicted against measured speedup: the planner calibrated on a bench run's step times only.
 
-    python benchmarks/planner_check.py RESULTS.json [--hardware h200] [--out check.json]
+    python benchmarks/planner_check.py RESULTS.json [--hardware h200] [--batching lockstep] [--out check.json]
 
 RESULTS.json holds bench records (a list, or an object with ``records``, as
 ``gpu_session.py train-bench`` writes). Records are grouped by how the target step ran
 (``compiled``); per group the planner is calibrated on ``ar_step_ms``, ``verify_step_ms`` and
 ``draft_step_ms`` (never a speedup), takes acceptance from the same records, and its predicted
 speedup (of decoding) is set against each record's measured ``decode_speedup_vs_ar`` (prefill
-excluded), or ``speedup_vs_ar`` in records written before that field existed.
+excluded), or ``speedup_vs_ar`` in records written before that field existed. Our engine runs a
+batch in lockstep (``--batching lockstep``, the default: a batch lasts as long as its slowest
+row; ``continuous`` leaves that term out).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from outrider.fsutil import atomic_write_json
 from outrider.plan.planner import plan
 
 
-def check(records: list[dict], hardware: str) -> list[dict]:
+def check(records: list[dict], hardware: str, batching: str = "lockstep") -> list[dict]:
     rows = []
     groups: dict[bool, list[dict]] = {}
     for r in records:
@@ -35,8 +37,9 @@ def check(records: list[dict], hardware: str) -> list[dict]:
             path.write_text(json.dumps(recs))
             ks = sorted({r["k"] for r in recs})
             batches = sorted({r.get("batch_size", 1) for r in recs})
+            new = max(r.get("max_new_tokens", 128) for r in recs)
             result = plan("default", hardware, acceptance=str(path), calibrate=str(path), ks=ks, batches=batches,
-                          console=Console(file=io.StringIO()))
+                          console=Console(file=io.StringIO()), batching=batching, new_tokens=new)
         for r in recs:
             pred = next(p for p in result.predictions
                         if p.method == r["method"] and p.k == r["k"] and p.batch == r.get("batch_size", 1))
@@ -52,11 +55,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--batching", default="lockstep", choices=["lockstep", "continuous"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     data = json.loads(Path(a.results).read_text())
     records = data["records"] if isinstance(data, dict) else data
-    rows = check(records, a.hardware)
+    rows = check(records, a.hardware, a.batching)
     seen = set()
     for row in rows:
         if row["calibration"] not in seen:

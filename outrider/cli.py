@@ -124,13 +124,40 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
+    from outrider.plan.measured import measured_from
+
+    measured = measured_from(a.measured, a.decode_tps, a.collective_share, a.collectives_per_token)
+    if a.train:
+        from outrider.plan.train_plan import train_plan
+        from outrider.plan.train_report import report
+
+        result = train_plan(a.target, a.hardware, gpus=a.gpus or a.tp, conversations=a.conversations, turns=a.turns,
+                            tokens_per_turn=a.tokens_per_turn, epochs=a.epochs, regenerate=a.regenerate,
+                            capture=a.capture, cache_dtype=a.cache_dtype, max_length=a.max_length, k=a.tau_k,
+                            weight_dtype=a.weight_dtype, serve_gpus=a.serve_gpus, measured=measured, rates=a.rates,
+                            draft_vocab=a.draft_vocab)
+        report(result, _console(a.json), markdown_path=a.out, json_path=a.json)
+        return 0
     from outrider.plan.planner import plan
 
     plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
          ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
          plot_dir=a.plot, console=_console(a.json), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
-         routing_histogram=a.routing_histogram)
+         routing_histogram=a.routing_histogram, measured=measured, batching=a.batching, new_tokens=a.new_tokens)
     return 0
+
+
+def _batch_values(text: str) -> dict[int, float]:
+    """'82.5' (batch 1) or '1:82.5,8:400' (batch:value pairs)."""
+    out = {}
+    try:
+        for part in text.split(","):
+            if part.strip():
+                b, _, v = part.rpartition(":")
+                out[int(b) if b else 1] = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected VALUE or BATCH:VALUE,..., got '{text}'") from None
+    return out
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -299,9 +326,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--routing-histogram", default=None, help="JSON list of tokens per expert (measured routing)")
     sp.add_argument("--weight-dtype", default=None, help="bf16 | fp8 | int4")
     sp.add_argument("--calibrate", default=None, help="bench JSON with measured step times")
+    sp.add_argument("--measured", default=None, metavar="F",
+                    help="JSON of what you measured: decode tok/s by batch, collective share and count, "
+                         "acceptance (our bench, vLLM's or SGLang's metrics); fits the profile")
+    sp.add_argument("--decode-tps", type=_batch_values, default=None, metavar="B:TPS,...",
+                    help="measured plain decode tok/s (all sequences), e.g. 82.5 or 1:82.5,8:420")
+    sp.add_argument("--collective-share", type=_batch_values, default=None, metavar="B:SHARE,...",
+                    help="measured share of decode time in collectives, e.g. 0.515")
+    sp.add_argument("--collectives-per-token", type=float, default=None, help="measured collectives per token")
+    sp.add_argument("--batching", default="continuous", choices=["continuous", "lockstep"],
+                    help="continuous (serving engines) or lockstep (outrider's engine: a batch waits for its "
+                         "slowest row)")
+    sp.add_argument("--new-tokens", type=int, default=128, help="reply length cap (lockstep batching)")
     sp.add_argument("--context", type=int, default=2048)
     sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
     sp.add_argument("--plot", default=None, metavar="DIR")
+    tr = sp.add_argument_group("training plan (--train)")
+    tr.add_argument("--train", action="store_true", help="plan training a head: time, GPU-hours, memory, disk, tau")
+    tr.add_argument("--gpus", type=int, default=None, help="GPUs to train on (default: --tp)")
+    tr.add_argument("--conversations", type=int, default=20000)
+    tr.add_argument("--turns", type=int, default=1)
+    tr.add_argument("--tokens-per-turn", type=int, default=400)
+    tr.add_argument("--max-length", type=int, default=1024, help="tokens per training example")
+    tr.add_argument("--epochs", type=float, default=10.0)
+    tr.add_argument("--regenerate", default=None, choices=["served", "local", "none"],
+                    help="default: local if the target fits one GPU, else served")
+    tr.add_argument("--capture", default=None, choices=["streamed", "served", "online"],
+                    help="default: online if the target fits one GPU, served if it fits the GPUs, else streamed")
+    tr.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp8"])
+    tr.add_argument("--serve-gpus", type=int, default=8, help="GPUs of a serving node when the target does not fit")
+    tr.add_argument("--rates", default=None, metavar="F", help="JSON of measured rates replacing the built-in ones")
+    tr.add_argument("--out", default=None, metavar="PLAN.md", help="write the training plan as Markdown")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("demo", help="the whole pipeline on the embedded default")

@@ -38,6 +38,7 @@ class Calibration:
     link_latency_s: float | None = None
     collectives_per_layer: float | None = None
     draft_round_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)  # method -> k -> s
+    draft_round_by_batch: Mapping[str, Mapping[tuple[int, int], float]] = field(default_factory=dict)  # (k, batch)
     token_overhead_s: float = 0.0
     verify_overhead_s: float = 0.0
     points: tuple[tuple[int, int, float, float], ...] = ()  # (new_tokens, batch, measured_s, fitted_s)
@@ -96,7 +97,12 @@ def _parse_timing_records(records: Any, context: int, origin: str):
         raise UserError(f"{origin}: calibration needs a list of bench records (JSON objects)")
     points: list[tuple[int, int, int, float]] = []  # (n, b, c, seconds)
     drafts: dict[str, dict[int, float]] = {}
-    for r in records:
+    by_batch: dict[str, dict[tuple[int, int], float]] = {}
+    def batch_of(r: dict) -> int:
+        b = r.get("batch", r.get("batch_size", 1))
+        return b if isinstance(b, int) and not isinstance(b, bool) else 1
+
+    for r in sorted(records, key=lambda r: -batch_of(r)):  # largest batch first: per k, the smallest wins
         b = r.get("batch", r.get("batch_size", 1))
         c = r.get("context", context)
         if not isinstance(b, int) or b < 1 or not isinstance(c, int) or c < 0:
@@ -115,7 +121,9 @@ def _parse_timing_records(records: Any, context: int, origin: str):
                 points.append((n, b, c, s))
         draft_ms = r.get("draft_step_ms", r.get("propose_step_ms"))
         if draft_ms is not None and r.get("method") and not plain:
-            drafts.setdefault(str(r["method"]), {}).update(_by_k(draft_ms, r, "draft_step_ms", origin))
+            per_k = _by_k(draft_ms, r, "draft_step_ms", origin)
+            drafts.setdefault(str(r["method"]), {}).update(per_k)
+            by_batch.setdefault(str(r["method"]), {}).update({(k, b): s for k, s in per_k.items()})
     has_ar = any(n == 1 for n, *_ in points)
     has_verify = any(n > 1 for n, *_ in points)
     if not (has_ar and has_verify):
@@ -126,7 +134,7 @@ def _parse_timing_records(records: Any, context: int, origin: str):
     merged: dict[tuple[int, int, int], list[float]] = {}
     for n, b, c, s in points:
         merged.setdefault((n, b, c), []).append(s)
-    return [(n, b, c, sum(v) / len(v)) for (n, b, c), v in sorted(merged.items())], drafts
+    return [(n, b, c, sum(v) / len(v)) for (n, b, c), v in sorted(merged.items())], drafts, by_batch
 
 
 def _split_overhead(total_s: float, shape: ModelShape, hw: HardwareProfile) -> tuple[float, float]:
@@ -168,7 +176,8 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     (k+1 tokens; ``{k: ms}`` or a number with the record's ``k``; ``verify_step_ms_by_n`` keys by
     n instead; in an ``ar`` / k=0 record it is a one-token step), at the record's ``batch``
     (or ``batch_size``, default 1) and ``context`` (default ``context``). ``draft_step_ms`` (or
-    ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method.
+    ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method, at
+    the record's batch size (other batch sizes take the smallest measured batch's).
     Measured speedups are never read.
 
     Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O,
@@ -179,7 +188,7 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     efficiencies. The AllReduce term keeps the profile's link latency and bandwidth (give
     ``allreduce_share`` through ``calibrate_measured`` to fit it).
     """
-    points, drafts = _parse_timing_records(bench_records, context, origin)
+    points, drafts, by_batch = _parse_timing_records(bench_records, context, origin)
     base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
                    token_overhead_s=0.0)
     # per point: (memory seconds at eff 1, compute seconds at eff 1) per term, and fixed seconds
@@ -220,7 +229,7 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     _, eta_m, eta_c, coef = best
     fitted = dict(zip(columns, coef))  # term -> seconds
     step_s, layer_s = _split_overhead(fitted["step"], shape, hw)
-    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, source=origin,
+    cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, draft_round_by_batch=by_batch, source=origin,
                       token_overhead_s=fitted.get("token", 0.0), verify_overhead_s=fitted.get("verify", 0.0))
     fitted_hw = cal.apply(hw)
     residuals = tuple((n, b, y, step_cost(shape, fitted_hw, tp, n, b, c).total_s) for n, b, c, y in points)

@@ -302,13 +302,14 @@ class DraftSpec:
     """How a method proposes k tokens: ``ngram`` (free), ``eagle3`` (a head) or ``draft`` (an LM).
 
     ``measured_round_s`` maps k to a measured draft round (k proposals) in seconds and, where
-    present, replaces the model for that k.
+    present, replaces the model for that k; ``measured_round_by_batch`` maps (k, batch) and wins.
     """
 
     method: str
     shape: ModelShape | None = None
     fc_params: int = 0  # EAGLE-3: fc over the three aux states, once per round
     measured_round_s: Mapping[int, float] = field(default_factory=dict)
+    measured_round_by_batch: Mapping[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> s
 
 
 def eagle3_head_shape(target: ArchInfo, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
@@ -341,8 +342,9 @@ def draft_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, k: int, bat
     forwards of one token per sequence, each with its per-layer overhead but no per-step one
     (they run inside the engine's step), plus, for EAGLE-3, one fc over the aux states.
     """
-    if k in draft.measured_round_s:
-        return StepCost((Term("draft (measured)", draft.measured_round_s[k], bound="overhead"),), k, batch, context)
+    measured = draft.measured_round_by_batch.get((k, batch), draft.measured_round_s.get(k))
+    if measured is not None:
+        return StepCost((Term("draft (measured)", measured, bound="overhead"),), k, batch, context)
     if draft.method == "ngram" or draft.shape is None:
         return StepCost((Term("draft (n-gram lookup)", 0.0, bound="overhead"),), k, batch, context)
     one = step_cost(draft.shape, hw, tp, 1, batch, context, include_step_overhead=False)
@@ -376,6 +378,8 @@ class Prediction:
     verify_cost_ratio: float  # verify step over k+1 tokens / plain one-token step
     verify: StepCost
     draft: StepCost
+    batching: str = "continuous"  # "lockstep": the batch runs as long as its slowest row (``batching``)
+    tokens_per_round: float | None = None  # lockstep: tokens a row gains per round of its batch
 
     def dominant(self, top: int = 2) -> list[tuple[str, float]]:
         """Largest terms of the whole speculative step (draft round + verify)."""
@@ -392,6 +396,7 @@ class Prediction:
             "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
             "ar_tokens_per_s": self.ar_tokens_per_s, "expected_tokens": self.expected_tokens,
             "verify_cost_ratio": self.verify_cost_ratio, "ar_step_ms": self.ar_step_s * 1e3,
+            "batching": self.batching, "tokens_per_round": self.tokens_per_round,
             "verify_step_ms": self.verify_step_s * 1e3, "draft_round_ms": self.draft_round_s * 1e3,
             "dominant_terms": [{"term": n, "share": round(s, 4)} for n, s in self.dominant(3)],
         }

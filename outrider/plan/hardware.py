@@ -39,6 +39,7 @@ class WeightFormat:
 
 # INT4: 4 bits + one bf16 scale per group of g weights = 0.5 + 2/g bytes.
 # FP8 (DeepSeek-V3 style): 1 byte + one fp32 scale per 128x128 block = 1 + 4/16384 bytes.
+# MXFP4: 4 bits + one e8m0 (1 byte) scale per 32 weights = 0.5 + 1/32 bytes.
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "bf16": WeightFormat("bf16", 2.0, "bf16"),
     "fp16": WeightFormat("fp16", 2.0, "bf16"),
@@ -47,6 +48,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int4": WeightFormat("int4", 0.5 + 2.0 / 128, "bf16"),
     "int4-g128": WeightFormat("int4-g128", 0.5 + 2.0 / 128, "bf16"),
     "int4-g32": WeightFormat("int4-g32", 0.5 + 2.0 / 32, "bf16"),
+    "mxfp4": WeightFormat("mxfp4", 0.5 + 1.0 / 32, "bf16"),  # OCP MX: 4-bit values, one 8-bit scale per 32
 }
 
 

@@ -3,8 +3,9 @@
 Contract:
 - ``plan(target, hardware, ...)`` needs no weights: ``target`` is a model folder or a
   config-only folder (read with ``load_config_dict`` + ``arch_info``), or a built-in preset
-  (``kimi-k2.5``, ``default`` = SmolLM2-135M). ``hardware`` is a built-in profile name or a
-  profile JSON file (``outrider.cost_model.load_profile``).
+  (``presets.PRESETS``: ``kimi-k2.5``, ``deepseek-v3``, ``gpt-oss-120b``, ``default`` =
+  SmolLM2-135M). ``hardware`` is a built-in profile name or a profile JSON file
+  (``hardware.load_profile``).
 - Acceptance per method comes from a bench JSON (``acceptance``: records with ``method``,
   ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
@@ -12,7 +13,12 @@ Contract:
 - ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
   ``verify_step_ms``...) or a JSON object of measured inputs
   (``single_stream_tokens_per_s``, ``allreduce_share``, ``collectives_per_token``); see
-  ``cost_model.calibrate`` / ``calibrate_measured``.
+  ``cost_model.calibrate`` / ``calibrate_measured``. ``measured`` is what a user measured on
+  their cluster (decode tokens/s by batch, collective share and count, acceptance from our
+  bench or vLLM's / SGLang's metrics): the profile's free parameters are fitted to it and the
+  ones that moved are printed (``measured``).
+- ``batching``: ``continuous`` (serving engines) or ``lockstep`` (our engine: a batch runs as long
+  as its slowest row, ``batching``).
 - Prints one table per batch size (method x k: expected tokens, verify/step cost ratio,
   draft round, tokens/s, speedup) and a recommendation per batch naming the dominant cost
   terms; ``json_path`` receives the rows (atomically), ``plot_dir`` PNG plots when
@@ -33,6 +39,7 @@ from outrider.errors import UserError
 from outrider.fsutil import write_json_output
 from outrider.models import ArchInfo, arch_info, load_config_dict
 from outrider.plan.acceptance import Acceptance
+from outrider.plan.batching import MODES, RoundsModel, RowSpread, batched, measured_spread, spread_from_bench
 from outrider.plan.calibrate import Calibration, calibrate_measured
 from outrider.plan.calibrate import calibrate as fit_calibration
 from outrider.plan.cost_model import (
@@ -49,29 +56,12 @@ from outrider.plan.hardware import (
     load_profile,
     parse_precision,
 )
+from outrider.plan.measured import Fit, fit_profile, load_measured
+from outrider.plan.presets import KIMI_K25, PRESETS, SMOLLM2_135M, resolve_target  # noqa: F401 (re-exported)
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
 METHODS = ("eagle3", "draft", "ngram")
-
-KIMI_K25 = ArchInfo(
-    model_type="kimi_k2", architectures=("DeepseekV3ForCausalLM",), num_layers=61, hidden_size=7168,
-    vocab_size=163840, num_heads=64, num_kv_heads=64, head_dim=192, attention="MLA", intermediate_size=18432,
-    max_position_embeddings=262144, tie_word_embeddings=False, num_experts=384, experts_per_token=8,
-    num_shared_experts=1, moe_intermediate_size=2048, first_dense_layers=1, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_mtp_layers=0, dtype="bfloat16",
-    quantization="compressed-tensors-int4",
-)
-SMOLLM2_135M = ArchInfo(
-    model_type="llama", architectures=("LlamaForCausalLM",), num_layers=30, hidden_size=576, vocab_size=49152,
-    num_heads=9, num_kv_heads=3, head_dim=64, attention="GQA", intermediate_size=1536,
-    max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
-)
-# Kimi-K2.5 ships INT4 (group 32, bf16 scales) routed experts; everything else is bf16.
-PRESETS: dict[str, tuple[str, ArchInfo, str]] = {
-    "kimi-k2.5": ("Kimi-K2.5", KIMI_K25, "int4-g32/bf16"),
-    "default": ("SmolLM2-135M", SMOLLM2_135M, "bf16"),
-}
 
 
 @dataclass(frozen=True)
@@ -99,6 +89,8 @@ class PlanResult:
     acceptance_sources: dict[str, str]
     calibration: Calibration | None = None
     notes: list[str] = field(default_factory=list)
+    fit: Fit | None = None
+    batching: str = "continuous"
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -107,16 +99,6 @@ class PlanResult:
     def best(self, batch: int) -> Prediction | None:
         cands = [p for p in self.predictions if p.batch == batch]
         return max(cands, key=lambda p: p.speedup) if cands else None
-
-
-def resolve_target(target: str) -> tuple[str, ArchInfo, str | None]:
-    """(display name, ArchInfo, preset precision or None) for a preset name or a model folder."""
-    key = str(target).strip().lower()
-    if key in PRESETS:
-        name, arch, prec = PRESETS[key]
-        return name, arch, prec
-    arch = arch_info(load_config_dict(target))
-    return Path(str(target)).name or str(target), arch, None
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -157,6 +139,18 @@ def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
     if not out:
         raise UserError(f"{path}: no speculative records (method eagle3, ngram or draft) to take acceptance from")
     return out
+
+
+def _spread(path: str) -> RowSpread | None:
+    """Rows of the first batch-1 record with per-prompt tau and steps (``bench`` writes them)."""
+    for r in _records(_read_json(path, "acceptance"), path):
+        taus, steps = r.get("tau_per_batch"), r.get("row_steps_per_batch")
+        if (r.get("batch_size", 1) == 1 and r.get("method") in METHODS and isinstance(taus, list)
+                and isinstance(steps, list) and len(taus) == len(steps) >= 4):
+            acc = Acceptance.from_record(r, origin=Path(path).name)
+            return spread_from_bench(acc.rates, taus, steps, int(r.get("max_new_tokens", 128)),
+                                     f"{Path(path).name} ({len(taus)} prompts at batch 1)")
+    return None
 
 
 def _pick(table: dict[int, Acceptance], k: int) -> Acceptance:
@@ -222,7 +216,8 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
          weight_dtype: str | None = None, calibrate: str | None = None, context: int = 2048,
          json_path: str | None = None, plot_dir: str | None = None, console=None, *,
          tau_k: int = 3, draft: str | None = None, draft_vocab: int = 32000,
-         routing_histogram: str | Sequence[float] | None = None) -> PlanResult:
+         routing_histogram: str | Sequence[float] | None = None, measured: Any = None,
+         batching: str = "continuous", new_tokens: int = 128) -> PlanResult:
     """Predict tokens/s and speedup for each method x k x batch; print, and write JSON/plots.
 
     ``tau`` is the acceptance length measured at ``tau_k`` draft tokens (published K2.5 heads:
@@ -230,6 +225,12 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     acceptance. ``draft`` is a draft model (folder or preset) for the ``draft`` method.
     ``routing_histogram`` (a list, or a JSON file holding one) counts tokens per routed expert
     and replaces uniform routing in the distinct-expert estimate.
+    ``measured`` (a JSON file or a ``measured.Measured``: decode tokens/s by batch, collective share
+    and count, acceptance from our bench or vLLM's / SGLang's metrics) fits the profile
+    (``measured.fit_profile``) and supplies acceptance for methods no flag gave. ``batching``:
+    ``continuous`` (a serving engine) or ``lockstep`` (our engine: a batch runs as long as its
+    slowest row, ``batching.RoundsModel``) over replies of up to ``new_tokens`` tokens, rows as
+    unlike as the acceptance file's batch-1 per-prompt figures, else as our measured bench's.
     """
     from rich.console import Console
 
@@ -260,6 +261,18 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         calibration = _load_calibration(calibrate, shape, hw, tp, context)
         hw = calibration.apply(hw)
         notes.append(calibration.summary())
+    fit, measured_accept = None, {}
+    if measured is not None:
+        m = load_measured(measured)
+        if m.decode:
+            fit = fit_profile(shape, hw, tp, m, m.context if m.context is not None else context)
+            hw = fit.profile
+            notes.append(f"{m.source}: {fit.summary()}")
+        measured_accept = m.acceptance
+    if batching not in MODES:
+        raise UserError(f"--batching must be one of {', '.join(MODES)}, got {batching!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise UserError(f"--new-tokens must be an integer >= 1, got {new_tokens!r}")
 
     drafts: dict[str, DraftSpec] = {"eagle3": eagle3_head_shape(arch, draft_vocab), "ngram": DraftSpec("ngram")}
     if draft is not None:
@@ -273,7 +286,8 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         for method, table in calibration.draft_round_s.items():
             if method in drafts:
                 d = drafts[method]
-                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table))
+                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table),
+                                           dict(calibration.draft_round_by_batch.get(method, {})))
 
     accept: dict[str, dict[int, Acceptance]]
     sources: dict[str, str] = {}
@@ -302,21 +316,37 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         accept["ngram"] = {1: Acceptance.from_alpha(NGRAM_ALPHA, source=low)}
         for m, table in accept.items():
             sources[m] = next(iter(table.values())).source
+    for m, table in measured_accept.items():  # the user's measurements replace assumptions, not flags
+        explicit = acceptance is not None or (m in ("eagle3", "draft") and (tau is not None or alpha is not None))
+        if m in METHODS and not (explicit and m in accept) and (m != "draft" or "draft" in drafts):
+            accept[m] = dict(table)
+            sources[m] = ", ".join(a.source for _, a in sorted(table.items()))
 
     weights_per_gpu = shape.weight_bytes / tp
     if weights_per_gpu > hw.memory_capacity_bytes:
         notes.append(f"the weights need {weights_per_gpu / 1e9:.0f} GB per GPU but {hw.name} has "
                      f"{hw.memory_capacity_bytes / 1e9:.0f} GB: raise --tp; the plan assumes they fit")
 
+    spread = (_spread(acceptance) if acceptance is not None else None) or measured_spread()
+    if batching == "lockstep":
+        notes.append(f"lockstep batches of replies up to {new_tokens} tokens, rows as unlike as {spread.source}")
+    rounds: dict[tuple[str, int], RoundsModel] = {}
     predictions: list[Prediction] = []
     for b in batches:
         for m in METHODS:
             if m not in accept:
                 continue
             for k in ks:
-                predictions.append(predict(shape, hw, drafts[m], _pick(accept[m], k), k, b, tp, context))
+                acc = _pick(accept[m], k)
+                pred = predict(shape, hw, drafts[m], acc, k, b, tp, context)
+                if batching == "lockstep":
+                    if (m, k) not in rounds:
+                        rounds[(m, k)] = RoundsModel(acc, k, spread, new_tokens)
+                    pred = batched(pred, rounds[(m, k)], batching)
+                predictions.append(pred)
     recommendations = [_recommend(b, [p for p in predictions if p.batch == b]) for b in batches]
-    result = PlanResult(name, hw, tp, context, predictions, recommendations, sources, calibration, notes)
+    result = PlanResult(name, hw, tp, context, predictions, recommendations, sources, calibration, notes, fit,
+                        batching)
 
     _print(result, shape, console)
     if json_path is not None:
@@ -354,6 +384,12 @@ def _print(result: PlanResult, shape: ModelShape, console) -> None:
                           f"{p.draft_round_s * 1e3:.3f}", f"{(p.verify_step_s + p.draft_round_s) * 1e3:.2f}",
                           f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]")
         console.print(table)
+    if result.fit is not None:
+        console.print("[bold]Fitted to the measurements[/bold]")
+        for c in result.fit.changes:
+            console.print(f"  {c.text()}", highlight=False)
+        for b, meas, fitted in result.fit.points:
+            console.print(f"  batch {b}: measured {meas:,.1f} tok/s, fitted {fitted:,.1f}", highlight=False)
     console.print("[bold]Recommendation[/bold]")
     for r in result.recommendations:
         console.print(f"  {r.text}")
