@@ -23,53 +23,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import io
-import json
-import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from outrider.bench import bench, build_proposer, git_commit
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
-from outrider.plan.acceptance import Acceptance
-from outrider.plan.batching import RoundsModel, spread_from_bench
-from outrider.plan.planner import plan
-
-
-def lockstep_rows(records: dict[int, dict], max_new: int) -> list[dict]:
-    """Per batch size: the lockstep model on the batches the run actually formed, with measured step costs."""
-    one = records[1]
-    acc = Acceptance.from_record(one)
-    k = one["k"]
-    spread = spread_from_bench(acc.rates, one["tau_per_batch"], one["row_steps_per_batch"], max_new, "batch 1")
-    model = RoundsModel(acc, k, spread, max_new)
-    chunk = SpecEngine.AR_CHUNK
-    rows = []
-    for b, r in sorted(records.items()):
-        n = len(model.lengths)
-        groups = [list(range(i, min(i + b, n))) for i in range(0, n, b)]
-        rounds = sum(model.of_rows(g).rounds for g in groups)
-        ar_steps = sum(min(max_new, chunk * math.ceil(max(model.lengths[i] for i in g) / chunk)) for g in groups)
-        pred = ar_steps * r["ar_step_ms"] / (rounds * r["step_ms"])
-        rows.append({"batch": b, "lockstep_rounds": rounds, "lockstep_ar_steps": ar_steps, "lockstep_speedup": pred})
-    return rows
-
-
-def planner_rows(records: dict[int, dict], batching: str, max_new: int) -> dict[int, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        acc, cal = Path(tmp) / "batch1.json", Path(tmp) / "all.json"
-        acc.write_text(json.dumps([records[1]]))
-        cal.write_text(json.dumps(list(records.values())))
-        result = plan("default", "h200", acceptance=str(acc), calibrate=str(cal), ks=[records[1]["k"]],
-                      batches=sorted(records), batching=batching, new_tokens=max_new, console=Console(file=io.StringIO()))
-    return {p.batch: p.speedup for p in result.predictions if p.method == records[1]["method"]}
+from outrider.plan.validate import lockstep_rows, planner_rows
 
 
 def main() -> None:
@@ -105,7 +69,7 @@ def main() -> None:
         records[b] = bench("default", method, draft=draft, k=a.k, num_prompts=num, max_new_tokens=a.max_new_tokens,
                            batch_size=b, prompts=a.prompts, loaded=(model, tok), engines=(ar, spec),
                            repeats=a.repeats, log=lambda line, b=b: print(f"  batch {b}: {line}", flush=True))
-    rows = lockstep_rows(records, a.max_new_tokens)
+    rows = lockstep_rows(records, a.max_new_tokens, SpecEngine.AR_CHUNK)
     lock = planner_rows(records, "lockstep", a.max_new_tokens)
     cont = planner_rows(records, "continuous", a.max_new_tokens)
     print(f"{method} k={a.k}, {a.num_prompts} prompts x {a.max_new_tokens} new tokens, "

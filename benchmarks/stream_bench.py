@@ -301,7 +301,7 @@ def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
         ms = _events_ms(lambda: experts(x, idx, w))
     flops = 2 * tokens * k * 3 * H * config.moe_intermediate_size
     impl = getattr(experts.config, "_experts_implementation", None)
-    del experts
+    experts = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return {"tokens": tokens, "ms": ms, "tflops": flops / ms / 1e9, "implementation": impl}
 

@@ -26,7 +26,7 @@ from outrider.plan.batching import (
 )
 from outrider.plan.planner import plan
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "results"
 
 
 def test_round_distribution_exact_cases():
@@ -131,18 +131,9 @@ def test_planner_lockstep_batching(tmp_path):
         plan("default", "h200", batching="paged", console=console)
 
 
-def _script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_batch_benchmark_comparisons():
-    """``benchmarks/planner_batches.py``'s comparisons on records shaped as ``bench`` writes them."""
-    pb = _script("planner_batches")
+    """``plan.validate``'s comparisons (``benchmarks/planner_batches.py``) on records shaped as ``bench`` writes them."""
+    from outrider.plan import validate as pb
     one = {"method": "eagle3", "k": 3, "batch_size": 1, "max_new_tokens": 32, "tau": 2.5,
            "accept_rate_per_pos": [0.7, 0.5, 0.4], "tau_per_batch": [1.5, 3.0, 2.5, 3.5],
            "row_steps_per_batch": [20, 8, 13, 5], "ar_step_ms": 1.0, "verify_step_ms": 1.2, "draft_step_ms": 0.3,
@@ -150,7 +141,7 @@ def test_batch_benchmark_comparisons():
     two = dict(one, batch_size=2, ar_step_ms=1.1, verify_step_ms=1.4, draft_step_ms=0.4, step_ms=1.8,
                decode_speedup_vs_ar=1.3)
     records = {1: one, 2: two}
-    rows = {r["batch"]: r for r in pb.lockstep_rows(records, 32)}
+    rows = {r["batch"]: r for r in pb.lockstep_rows(records, 32, ar_chunk=8)}
     lengths = [30, 24, 32, 18]  # tau x steps, capped at 32
     assert rows[2]["lockstep_ar_steps"] == 32 + 32  # the longer row of each pair, in whole chunks of 8, capped
     assert rows[1]["lockstep_ar_steps"] == 32 + 24 + 32 + 24

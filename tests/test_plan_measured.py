@@ -22,7 +22,12 @@ from outrider.plan.measured import (
 )
 from outrider.plan.planner import plan
 from outrider.plan.presets import KIMI_K25, SMOLLM2_135M
-from outrider.plan.published import ISSUE_NGRAM_SLOWER, VLLM_NGRAM_K, compare, issue_profile_check
+from outrider.plan.published import (
+    ISSUE_NGRAM_SLOWER,
+    VLLM_NGRAM_K,
+    compare,
+    issue_profile_check,
+)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,15 @@ from outrider.cli import main
 from outrider.errors import UserError
 from outrider.plan import rates as R
 from outrider.plan.learning import fit_curve
-from outrider.plan.train_plan import cache_bytes_per_token, head_flops_per_token, target_flops_per_token, train_plan
+from outrider.plan.train_plan import (
+    cache_bytes_per_token,
+    head_flops_per_token,
+    target_flops_per_token,
+    train_plan,
+)
 from outrider.plan.train_report import render_markdown, to_json
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "history" / "results"
 
 
 def test_learning_curve_fit_recovers_a_known_curve():

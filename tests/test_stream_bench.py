@@ -3,9 +3,10 @@ the run writes its figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,14 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "stream_bench.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("stream_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    """The script as a user runs it."""
+    run = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
 
 
-def test_checkpoint_is_pack_quantized_as_the_library_reads_it(bench, tmp_path):
+def test_checkpoint_is_pack_quantized_as_the_library_reads_it(tmp_path, tiny_dir):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -31,10 +31,13 @@ def test_checkpoint_is_pack_quantized_as_the_library_reads_it(bench, tmp_path):
     from outrider.train.weights import SafetensorsFiles
 
     folder = tmp_path / "ckpt"
-    info = bench.write_checkpoint(folder, "tiny", 3, torch.device("cpu"))
+    run_bench("--out", str(folder), "--shape", "tiny", "--device", "cpu", "--layers", "2", "--tokens-per-pass", "64",
+              "--lo", "16", "--hi", "32", "--passes", "1", "--default-model", "none", "--keep",
+              "--json", str(tmp_path / "r.json"))
+    ckpt = json.loads((tmp_path / "r.json").read_text())["checkpoint"]
     files = SafetensorsFiles(folder)  # every header checked
-    assert sum(p.stat().st_size for p in folder.glob("*.safetensors")) == info["bytes"]
-    c = info["config"]["text_config"]
+    assert math.isclose(sum(p.stat().st_size for p in folder.glob("*.safetensors")), ckpt["bytes_gb"] * 1e9)
+    c = json.loads((folder / "config.json").read_text())["text_config"]
     assert len(files.paths) == 3 + 2 and "language_model.lm_head.weight" in files
     p = "language_model.model.layers.2.mlp.experts.5.down_proj."
     sd = {k: files.tensor(p + k) for k in ("weight_packed", "weight_scale", "weight_shape")}
@@ -44,15 +47,15 @@ def test_checkpoint_is_pack_quantized_as_the_library_reads_it(bench, tmp_path):
         sd, QuantizationScheme(targets=["Linear"], weights=args))["weight"]
     ours = dequant_int4(sd["weight_packed"], sd["weight_scale"], c["moe_intermediate_size"])
     assert torch.equal(ours, library) and ours.std() > 0
-    assert bench.dequantized_layer_bytes(c, 1) > bench.layer_bytes(c, 1) > bench.layer_bytes(c, 0) // 4
+    assert ckpt["moe_layer_dequantized_gb"] > ckpt["moe_layer_gb"] > 0
 
 
-def test_tiny_run_reports_its_figures(bench, tmp_path, tiny_dir):
+def test_tiny_run_reports_its_figures(tmp_path, tiny_dir):
     out = tmp_path / "ckpt"
-    record = bench.main(["--out", str(out), "--shape", "tiny", "--device", "cpu", "--layers", "2",
-                         "--tokens-per-pass", "300", "--lo", "16", "--hi", "48", "--passes", "1",
-                         "--default-model", str(tiny_dir("llama")), "--default-tokens", "300",
-                         "--json", str(tmp_path / "r.json")])
+    proc = run_bench("--out", str(out), "--shape", "tiny", "--device", "cpu", "--layers", "2",
+                     "--tokens-per-pass", "300", "--lo", "16", "--hi", "48", "--passes", "1",
+                     "--default-model", str(tiny_dir("llama")), "--default-tokens", "300",
+                     "--json", str(tmp_path / "r.json"))
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["layers"] == 3 and saved["stream"]["runs"][0]["tokens"] == 300
     run = saved["stream"]["runs"][0]
@@ -62,4 +65,4 @@ def test_tiny_run_reports_its_figures(bench, tmp_path, tiny_dir):
     assert saved["default_model"]["bit_identical"]  # float32 on the CPU: the same chunks, the same bits
     assert math.isclose(saved["default_model"]["tokens"], 300, abs_tol=0)
     assert not out.exists()  # removed without --keep
-    assert record["commit"] == saved["commit"]
+    assert "checkpoint:" in proc.stdout

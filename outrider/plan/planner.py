@@ -37,9 +37,15 @@ from typing import Any, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import write_json_output
-from outrider.models import ArchInfo, arch_info, load_config_dict
 from outrider.plan.acceptance import Acceptance
-from outrider.plan.batching import MODES, RoundsModel, RowSpread, batched, measured_spread, spread_from_bench
+from outrider.plan.batching import (
+    MODES,
+    RoundsModel,
+    RowSpread,
+    batched,
+    measured_spread,
+    spread_from_bench,
+)
 from outrider.plan.calibrate import Calibration, calibrate_measured
 from outrider.plan.calibrate import calibrate as fit_calibration
 from outrider.plan.cost_model import (

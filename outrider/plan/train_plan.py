@@ -45,8 +45,19 @@ from outrider.models import ArchInfo
 from outrider.plan import rates as R
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.batching import multiplier_for, scaled
-from outrider.plan.cost_model import DraftSpec, ModelShape, eagle3_head_shape, predict, step_cost
-from outrider.plan.hardware import ACT_BYTES, HardwareProfile, load_profile, parse_precision
+from outrider.plan.cost_model import (
+    DraftSpec,
+    ModelShape,
+    eagle3_head_shape,
+    predict,
+    step_cost,
+)
+from outrider.plan.hardware import (
+    ACT_BYTES,
+    HardwareProfile,
+    load_profile,
+    parse_precision,
+)
 from outrider.plan.learning import Curve, Estimate, fit_curve
 from outrider.plan.presets import PRESETS, resolve_target
 
