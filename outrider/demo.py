@@ -37,10 +37,10 @@ class DemoSize:
 SIZES = {
     # a 2-core CPU: about 20 minutes in all
     "quick": DemoSize(first=160, later=0, regen_tokens=96, max_length=384, bench_prompts=6, bench_tokens=48, k=5),
-    # one H200: the first and later exchanges, 5 minutes of training, the 30 held-out benchmark
-    # prompts; about 15 minutes in all (most of the rest is regeneration and compilation)
-    "full": DemoSize(first=9000, later=7000, regen_tokens=256, max_length=1024, bench_prompts=30, bench_tokens=128,
-                     k=5, train_budget_s=300.0),
+    # one H200: the first and later exchanges, 4 minutes of training, the 30 held-out benchmark
+    # prompts; about 12 minutes in all (most of the rest is regeneration and compilation)
+    "full": DemoSize(first=6000, later=4000, regen_tokens=256, max_length=1024, bench_prompts=30, bench_tokens=128,
+                     k=5, train_budget_s=240.0),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
