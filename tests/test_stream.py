@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.stream import Chunk, StreamedTarget, plan_chunks, plan_passes
+from outrider.train.stream import Chunk, StreamedTarget, plan_chunks, plan_passes, text_config
 
 AUX = (0, 2, 3)  # 0: the embeddings, as Hugging Face numbers them
 
@@ -121,6 +121,14 @@ def test_kimi_layout_sharded_prefixed(int4_dir, tmp_path):
         assert b.prefix == "language_model.model."
         for (xa, fa), (xb, fb) in zip(a.states(exs), b.states(exs)):
             assert torch.equal(xa, xb) and torch.equal(fa, fb)
+    # the text config alone (model_type kimi_k2, as some transformers versions hand it back) reads
+    # as DeepSeek-V3 with its quantization config, whatever this transformers knows of kimi_k25
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(json.loads((kimi / "config.json").read_text())["text_config"]))
+    config, quant = text_config(bare)
+    assert config.model_type == "deepseek_v3" and quant["format"] == "pack-quantized"
+    assert config.num_hidden_layers == text_config(int4_dir)[0].num_hidden_layers
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:

@@ -401,7 +401,7 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
     cfg = CFG.replace(init_layer_from_target=True)
     tr = _Trainer(dist.init_from_env("cpu"), env["target"], env["data"], str(tmp_path / "run"), None, cfg, None,
                   False, None, None, None, False, None)
-    model, head = tr.model, tr.head
+    model, head = tr.target.model, tr.head
     ids = torch.tensor([[5, 17, 23, 42, 8, 61]])
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states

@@ -109,6 +109,9 @@ class OnlineTarget:
         norm = getattr(self.model.get_decoder(), "norm", None)
         return None if getattr(norm, "weight", None) is None else resident_weight(norm)
 
+    def last_layer(self) -> torch.nn.Module:
+        return self.model.get_decoder().layers[-1]
+
     def flops_per_token(self, extra: int) -> float:
         return flops.target_flops_per_token(self.model.get_decoder(), self.model.get_input_embeddings().parameters(),
                                             extra, self.model.config)
@@ -209,6 +212,9 @@ class CachedTarget:
 
     def norm_weight(self) -> torch.Tensor:
         return self.weights.norm_weight()
+
+    def last_layer(self) -> None:
+        return None  # a cache carries no decoder layer
 
     def flops_per_token(self, extra: int) -> float:
         return 2.0 * extra  # the teacher's projection only: no forward of the target

@@ -73,9 +73,13 @@ def text_config(path: Path):
     from outrider.models import read_json_object
 
     raw = read_json_object(path / "config.json")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     try:
-        if raw.get("model_type") == "kimi_k2":  # Kimi-K2's text config: transformers reads it as DeepSeek-V3
-            config = DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+        if text.get("model_type") == "kimi_k2":
+            # Kimi-K2's text config (bare, or inside the kimi_k25 wrapper, which transformers versions
+            # read differently): DeepSeek-V3's architecture, so read as DeepSeek-V3's config
+            config = DeepseekV3Config(**{k: v for k, v in text.items() if k not in ("model_type", "quantization_config")})
+            config.quantization_config = text.get("quantization_config") or raw.get("quantization_config")
         else:
             config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:

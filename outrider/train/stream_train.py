@@ -187,6 +187,9 @@ class StreamedOnline:
     def norm_weight(self) -> torch.Tensor:
         return self.weights.norm_weight()
 
+    def last_layer(self) -> None:
+        return None  # streamed: no layer stays in memory
+
     def flops_per_token(self, extra: int) -> float:
         decoder = self.streamer.decoder  # on the meta device: shapes only
         return flops.target_flops_per_token(decoder, decoder.embed_tokens.parameters(), extra, self.streamer.config)

@@ -1,74 +1,31 @@
-"""Train an EAGLE-3 head on a frozen target: online capture, training-time test, exact resume, DDP.
+"""Train an EAGLE-3 head on a frozen target: training-time test, exact resume, DDP.
 
 Contract:
-- ``train(target, data, out, ...)`` keeps the target in memory (frozen, ``no_grad``; bf16 on
-  CUDA) and, per micro-batch, captures its aux states and its logits over the draft vocabulary
-  (``outrider.train.capture``), then takes the training-time-test loss of the head
-  (``outrider.train.ttt``). ``train(target, None, out, cache=CACHE)`` reads the same features
-  from a hidden-state cache instead, with no forward and no copy of the target beyond its
-  embedding and the lm_head rows of the draft vocabulary (``outrider.train.features``); the
-  loop, the checkpoints and the resume are the same. AdamW, linear warmup then cosine decay,
-  gradient clipping, bf16 autocast of the head on CUDA, gradient accumulation, periodic
-  evaluation on the eval split; the best head is the one with the highest simulated acceptance
+- ``train(target, data, out, ...)`` takes, per micro-batch, the target's aux states and its
+  teacher over the draft vocabulary from a feature source (``outrider.train.features``: the
+  target in memory, a hidden-state cache with ``cache=``, or a layer-streamed target), then the
+  training-time-test loss of the head (``outrider.train.ttt``). AdamW, warmup then cosine decay
+  (over the steps or the ``time_budget_s``, whichever ends first), clipping, bf16 autocast on
+  CUDA, accumulation, periodic evaluation; the best head has the highest simulated acceptance
   length at ``tau_k`` drafts.
-- Loss normalisation: each unroll step's soft cross-entropy is averaged over the loss positions
-  of the whole global batch (all micro-batches on all ranks: the counts are known from the masks
-  before any forward and summed over ranks), so 1 process and N processes with the same global
-  batch compute the same gradient up to float rounding.
-- The draft vocabulary is built from the training split's loss-masked token counts before the
-  first step and stored with every checkpoint; a resume takes the checkpoint's and refuses
-  (``UserError``) data whose loss-token counts differ; an ``init`` fine-tune keeps the head's
-  vocabulary (its rows of lm_head belong to it) and notes its coverage of the new data when the
-  data alone would choose differently.
-- Output directory ``out``:
-  * ``head/``: the best head so far, a servable folder written by ``outrider.export.save_head``
-    (``config.json`` in the vLLM/SGLang EAGLE-3 format with an ``outrider`` section holding the
-    head config, the draft vocabulary's summary and the training step; ``model.safetensors``
-    in float32 with ``d2t``/``t2d``; ``LAUNCH.md``);
-  * ``last/``: the full training state: ``head/`` (the current head, same layout),
-    ``draft_vocab.safetensors`` (with the token counts), ``trainer_state.pt`` (optimizer,
-    scheduler, RNG states of python/numpy/torch/cuda, data position ``(epoch, batch, shuffle
-    seed)``, step, best score, config) and ``trainer_state.json`` (its readable summary);
-  * ``metrics.jsonl``: one line per logged step (``type: train``: loss, per-step loss and
-    accuracy, simulated tau, lr, grad norm, tokens/s including the target's forward, the step's
-    attention pairs, and on CUDA its MFU: ``mfu`` counting the weights' and the attention's
-    products of the target's forward and the head's forward and backward, ``mfu_weights`` the
-    weights' alone; ``outrider.train.flops``) and per evaluation (``type: eval``; on the eval split also ``walk_tau_k``, the split's
-    spans decoded round by round, ``outrider.train.ttt.walked_accept_len``: the engine's tau on
-    regenerated data, an estimate on other text); appended as training goes, cut back to the
-    checkpoint's step on resume;
-  * ``train_config.json``: the settings, the target, the data and the draft vocabulary.
-  Directories are swapped in atomically (``outrider.fsutil.atomic_dir``); a run killed at any
-  point leaves the previous complete ``last/`` and ``head/``. Aux layer ids are kept in
-  ascending order (the order of ``fc``'s input blocks is arbitrary; the engines capture in
-  layer order).
-- Exact resume: ``resume=True`` restores everything in ``last/`` and continues with the next
-  micro-batch of the same epoch order; on CPU the result is bit-identical to a run that was
-  never interrupted. ``max_steps`` stops the run early at that optimizer step (checkpointed)
-  without changing the schedule, whose horizon is the config's ``steps``; so does the config's
-  ``time_budget_s`` once the training time (all ranks agreeing; resumed runs count their earlier
-  time) exceeds it, named in the notes. With a time budget the cosine schedule follows whichever
-  ends first, the steps or the budget, so the learning rate anneals either way; such a run's
-  schedule depends on its speed and is not bit-reproducible.
-- The host queues a step without waiting for the device (loss positions found on the host and
-  moved with the batch through pinned memory; an explicit 4-D mask for the target), on one
-  process and as far as the target's own forward allows (a routed MoE layer may wait). With
-  ``run_ahead`` (one process) it queues step n+1 before it reads step n's metrics, which come
-  back through pinned memory behind step n alone, so that the device does not wait while the
-  host prepares and launches a step; not for a run's first step, nor past a step that evaluates
-  or checkpoints, nor past the stop, and the result equals a run that waits for each step
-  (bit-identical on CPU). A step queued when the time budget runs out is finished and counted. A
-  step's time (``tokens_per_s``, ``mfu``) runs from the end of the step before, in either mode
-  (from its launch after an evaluation or a checkpoint); ``ahead`` marks the steps queued early.
-- Distributed: under ``torchrun`` (``outrider.train.dist``) each rank holds the target and a
-  DDP replica of the head and reads its share of each global batch (from a cache: only the
-  examples of its share); only rank 0 writes and prints, with barriers around checkpoints. Resuming needs the same number of processes.
-- Errors a user can fix (an empty dataset, data of another tokenizer, a vocabulary mismatch,
-  resuming without a checkpoint, a non-finite loss) are one-line ``UserError``s raised before
-  anything already written is touched.
+- Each unroll step's loss is averaged over the loss positions of the whole global batch (counts
+  known from the masks before any forward), so 1 and N processes compute the same gradient.
+- The draft vocabulary comes from the training split's loss-token counts and is stored with
+  every checkpoint; a resume refuses data whose counts differ; an ``init`` fine-tune keeps its
+  head's vocabulary.
+- ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
+  ``outrider.train.checkpoint``), ``metrics.jsonl`` (``outrider.train.metrics``) and
+  ``train_config.json``; directories are swapped in atomically, so a run killed at any point
+  leaves the previous complete ``last/`` and ``head/``.
+- Exact resume: ``resume=True`` continues with the next micro-batch of the same epoch order;
+  bit-identical on CPU to a run never interrupted. ``run_ahead`` queues step n+1 before reading
+  step n's metrics (equal results, bit-identical on CPU).
+- Distributed: under ``torchrun`` each rank holds a DDP replica of the head and reads its share
+  of each global batch; rank 0 writes. Resuming needs the same number of processes.
+- User-fixable errors are one-line ``UserError``s raised before anything written is touched.
 
-Not done here: the loss and the mask (``ttt``), the capture (``capture``), the data format
-(``data``), the features' sources (``features``), FSDP2 (``dist.shard_head`` is the documented hook).
+Not done here: the loss (``ttt``), the capture (``capture``), the features' sources
+(``features``), the head's starting weights (``head_init``), FSDP2 (``dist.shard_head`` is the hook).
 """
 
 from __future__ import annotations
@@ -91,7 +48,7 @@ from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
-from outrider.train import checkpoint, dist, flops, soft_ce
+from outrider.train import checkpoint, dist, flops, head_init, soft_ce
 from outrider.train.datasets import BatchCursor, to_device
 from outrider.train.features import open_target
 from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
@@ -295,7 +252,7 @@ class _Trainer:
                             "pass three distinct ids with --aux-layers")
         self.config = cfg = cfg.replace(aux_layer_ids=head_cfg.aux_layer_ids)
         if init_head is not None:  # a fine-tune keeps the --init head's architecture (attention, options)
-            self._check_init_fits(init_head.config, head_cfg)
+            head_init.check_init_fits(init_head.config, head_cfg)
             head_cfg = init_head.config
         torch.manual_seed(cfg.seed)
         self.head = Eagle3Head(head_cfg)
@@ -304,9 +261,9 @@ class _Trainer:
             self.head.load_state_dict(init_head.state_dict())
         else:
             if cfg.init_from_target:
-                self._init_from_target()
+                head_init.init_from_target(self.head, self.target, self.vocab.draft_ids)
             if cfg.init_layer_from_target:
-                self._init_layer_from_target()
+                head_init.init_layer_from_target(self.head, self.target.last_layer())
         if self.resume_state is not None:
             self._load_head_weights(self.last_dir / "head")
         self.head.to(self.env.device)
@@ -359,59 +316,6 @@ class _Trainer:
         if saved_cfg != self.head.config:
             raise UserError(f"the head in {directory} does not match this run's settings: train into a new --out")
         self.head.load_state_dict(saved.state_dict())
-
-    @torch.no_grad()
-    def _init_from_target(self) -> None:
-        """lm_head <- the target's lm_head rows of the draft vocabulary; norm <- the target's final norm.
-
-        The head then starts by reading its hidden state the way the target reads its last one,
-        which shortens training; the rest stays randomly initialised.
-        """
-        rows = self.target.lm_rows(self.vocab.draft_ids)
-        if rows is not None and tuple(rows.shape[1:]) == (self.head.config.hidden_size,):
-            self.head.lm_head.weight.copy_(rows.float().cpu())
-        weight = self.target.norm_weight()
-        if weight is not None and tuple(weight.shape) == tuple(self.head.norm.weight.shape):
-            self.head.norm.weight.copy_(weight.detach().float().cpu())
-
-    @torch.no_grad()
-    def _init_layer_from_target(self) -> None:
-        """The draft layer <- the target's last decoder layer; ``fc`` <- the last aux state passed through.
-
-        The layer's projections read ``[input_layernorm(e); hidden_norm(h)]``: the hidden half gets
-        the target layer's weights, the embedding half starts at zero, so that at step 0 the head
-        computes the target's last layer on its last aux state. Shapes that differ are a one-line error.
-        """
-        layer = self.model.get_decoder().layers[-1]
-        mid, H = self.head.midlayer, self.head.config.hidden_size
-        pairs = [(mid.mlp.gate_proj, layer.mlp.gate_proj), (mid.mlp.up_proj, layer.mlp.up_proj),
-                 (mid.mlp.down_proj, layer.mlp.down_proj), (mid.self_attn.o_proj, layer.self_attn.o_proj),
-                 (mid.post_attention_layernorm, layer.post_attention_layernorm),
-                 (mid.hidden_norm, layer.input_layernorm)]
-        projections = [(getattr(mid.self_attn, n), getattr(layer.self_attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")]
-        bad = [n for (ours, theirs), n in zip(pairs, ("gate", "up", "down", "o", "post norm", "norm"))
-               if theirs is None or ours.weight.shape != theirs.weight.shape]
-        bad += [n for (ours, theirs), n in zip(projections, "qkv")
-                if theirs is None or ours.weight.shape != (theirs.weight.shape[0], 2 * theirs.weight.shape[1])]
-        if bad or self.head.config.target_hidden_size != H:
-            raise UserError(f"init_layer_from_target: the head's layer does not have the target's last layer's shapes "
-                            f"({', '.join(bad) or 'hidden size'}): train without it")
-        for ours, theirs in pairs:
-            ours.weight.copy_(theirs.weight.float())
-        for ours, theirs in projections:
-            ours.weight.zero_()
-            ours.weight[:, H:].copy_(theirs.weight.float())  # the hidden half; the embedding half stays 0
-        fc = self.head.fc.weight  # [H, 3 H_t]: pass the last aux state through
-        fc.zero_()
-        fc[:, 2 * H:].copy_(torch.eye(H))
-
-    @staticmethod
-    def _check_init_fits(have: Eagle3Config, want: Eagle3Config) -> None:
-        keys = ("hidden_size", "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
-        bad = [k for k in keys if getattr(have, k) != getattr(want, k)]
-        if bad:
-            diff = ", ".join(f"{k} {getattr(have, k)} vs {getattr(want, k)}" for k in bad)
-            raise UserError(f"the --init head does not fit this target ({diff}): train from scratch instead")
 
     def _target_flops_per_token(self) -> float:
         """Matmul FLOPs per token on the target's side (``flops``): online, its forward (the decoder's
