@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -22,19 +21,7 @@ from outrider.fsutil import atomic_write_json
 from outrider.train import soft_ce
 from outrider.train.ttt import fused_soft_cross_entropy, soft_cross_entropy
 
-
-def _time(fn, reps: int = 20, warm: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from cuda_timing import median_ms  # benchmarks/cuda_timing.py, next to this script
 
 
 def main() -> None:
@@ -60,8 +47,8 @@ def main() -> None:
 
     def measure(name: str, fn) -> None:
         ce = fn(logits, teacher, rows)[0]
-        fwd = _time(lambda: fn(logits, teacher, rows))
-        both = _time(lambda: torch.autograd.grad(fn(logits, teacher, rows)[0].sum(), logits))
+        fwd = median_ms(lambda: fn(logits, teacher, rows), reps=20, warm=5)
+        both = median_ms(lambda: torch.autograd.grad(fn(logits, teacher, rows)[0].sum(), logits), reps=20, warm=5)
         row = {"impl": name, "forward_ms": round(fwd, 3), "forward_backward_ms": round(both, 3),
                "forward_GBps": round(gb_fwd / fwd * 1e3, 1), "backward_GBps": round(gb_bwd / max(both - fwd, 1e-6) * 1e3, 1),
                "max_abs_err_vs_eager": float((ce - ref).abs().max())}

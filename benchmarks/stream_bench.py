@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from outrider.fsutil import atomic_write_json  # noqa: E402
 
+from cuda_timing import median_ms  # noqa: E402 (benchmarks/cuda_timing.py, next to this script)
+
 KIMI_QUANT = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
@@ -226,25 +228,11 @@ def auto_layers(out: Path, shape: str, cap: int = 5) -> int:
 # Rates
 
 
-def _events_ms(fn, reps: int = 5, warm: int = 2) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def h2d_peak(device: torch.device, nbytes: int = 1 << 30) -> dict:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = _events_ms(lambda: dev.copy_(host, non_blocking=True))
-    d2h = _events_ms(lambda: host.copy_(dev, non_blocking=True))
+    h2d = median_ms(lambda: dev.copy_(host, non_blocking=True))
+    d2h = median_ms(lambda: host.copy_(dev, non_blocking=True))
     return {"h2d_gbps": nbytes / h2d / 1e6, "d2h_gbps": nbytes / d2h / 1e6, "bytes": nbytes}
 
 
@@ -279,7 +267,7 @@ def disk_read_gbps(path: Path, threads: int = 8, piece: int = 64 << 20) -> float
 def gemm_rate(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n ** 3 / _events_ms(lambda: a @ b) / 1e9  # TFLOP/s
+    return 2 * n ** 3 / median_ms(lambda: a @ b) / 1e9  # TFLOP/s
 
 
 def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
@@ -298,7 +286,7 @@ def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
     idx = torch.rand(tokens, E, device=device).topk(k, dim=-1).indices  # [tokens, k] uniform routing
     w = torch.full((tokens, k), 1.0 / k, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        ms = _events_ms(lambda: experts(x, idx, w))
+        ms = median_ms(lambda: experts(x, idx, w))
     flops = 2 * tokens * k * 3 * H * config.moe_intermediate_size
     impl = getattr(experts.config, "_experts_implementation", None)
     experts = None  # freed before the cache is emptied

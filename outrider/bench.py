@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from outrider import assets, sharegpt
 from outrider.decode.engine import (
     GenerationResult,
     SpecEngine,
@@ -33,9 +34,13 @@ from outrider.decode.engine import (
     eos_token_ids,
 )
 from outrider.decode.proposers.base import Proposer
+from outrider.decode.proposers.draft_model import DraftModelProposer
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.ngram import NgramProposer
 from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
 from outrider.fsutil import write_json_output
+from outrider.models import load_model
 from outrider.progress import Bar
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
@@ -73,8 +78,6 @@ def prompt_texts(source: str = "sharegpt", num_prompts: int = 10) -> list[str]:
     """The first ``num_prompts`` prompts of held-out ShareGPT, a .txt (one per line) or a .json list."""
     require(num_prompts >= 1, f"--num-prompts must be >= 1, got {num_prompts}")
     if source == "sharegpt":
-        from outrider import assets, sharegpt
-
         texts = sharegpt.first_user_turns(sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True)), heldout_only=True, limit=num_prompts)
     else:
         path = Path(source)
@@ -100,18 +103,12 @@ def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: 
     if method == "ar":
         return None
     if method == "ngram":
-        from outrider.decode.proposers.ngram import NgramProposer
-
         return NgramProposer(ngram_min, ngram_max)
     require(draft is not None, f"--method {method} needs --draft")
     if method == "draft":
-        from outrider.decode.proposers.draft_model import DraftModelProposer
-        from outrider.models import load_model
-
         dmodel, dtok = load_model(draft, device=device, dtype=dtype)
         check_pair(target, dmodel, tokenizer, dtok)
         return DraftModelProposer(dmodel)
-    from outrider.decode.proposers.eagle3 import Eagle3Proposer
 
     return Eagle3Proposer.load(draft, target, device=device)
 
@@ -217,8 +214,6 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     ``compile`` (None: on for CUDA, off elsewhere) choose the engine's fast path: steps replayed as
     CUDA graphs, fused by ``torch.compile`` with static shapes first.
     """
-    from outrider.models import load_model
-
     require(k >= 1, f"--k must be >= 1, got {k}")
     require(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     require(max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {max_new_tokens}")

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_write_json
+from outrider.fsutil import atomic_write_json, read_json
 
 PRESET_NAMES = ("quick", "full")
 
@@ -205,51 +205,37 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainConfig":
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"cannot read the training config {p}: {e}") from None
-        if isinstance(d, dict) and isinstance(d.get("config"), dict):  # a train_config.json of an earlier run
-            d = d["config"]
-        return cls.from_dict(d)
+        return cls.from_dict(read_settings(path))
 
 
 PRESETS: dict[str, TrainConfig] = {
-    # A 2-core CPU, the default model: about 10 minutes including the target's forward (~200-250
-    # tokens/s on a 2-core AVX2 CPU: 160 steps of 2 x <=384 tokens, two evaluations). Small
-    # batches: at this budget more updates beat bigger ones. Three unroll steps: at the accuracies a
-    # short CPU run reaches, steps 4+ add little to tau but would cost a third of the head's compute.
-    # A 4k draft vocabulary covers what such small data holds.
+    # A 2-core CPU, the default model: about 10 minutes including the target's forward. Small
+    # batches (at this budget more updates beat bigger ones), three unroll steps (steps 4+ add little
+    # to tau at the accuracies a short run reaches), a 4k draft vocabulary (what such data holds).
     "quick": TrainConfig(
         steps=160, batch_size=2, grad_accum=1, max_length=384, lr=2e-3, min_lr_ratio=0.1, warmup_steps=8,
         grad_clip=0.5, ttt_steps=3, draft_vocab_size=4096, eval_every=80, eval_examples=16, save_every=80,
     ),
-    # One H200, the default model, ~10k regenerated first exchanges (3.4M tokens): 64 sequences of
-    # <= 1024 tokens per step, drawn by length, and a stop at 8 minutes of training, which also
-    # sets the cosine's pace, so that the preset fits a 10-minute budget whatever the machine (the
-    # step horizon is an upper bound). The loss runs in the Triton kernels and the head's step
-    # compiled (~55 s of compilation in the first steps). Batches by a budget of 48k padded tokens
-    # (``batch_tokens``) were tried in the ninth session: steps of ~43k tokens, median step 203k
-    # tokens/s (MFU 19.0 %, against 181k and 18.6 % by count), but half the optimizer steps in the
-    # time and a worse head (walked tau@5 2.29 against 2.82 after 400 / 480 s): at this learning
-    # rate the head is short of updates, not of tokens per update. (Starting lm_head from the
-    # target's did worse early on in a CPU trial.) The target's forward replays a CUDA graph per
-    # batch shape (``graph_target``; eager for targets it does not fit): in the tenth session the
-    # median step went from 181k to 190k tokens/s, MFU 20.4 %. A budget of 16k padded tokens with
-    # the flex attention (eleventh session) made ~14k-token steps that ran slower per token (median
-    # 18.1 %, 16.9 % over the steady steps against 18.5 %) and a worse head: both stay options.
-    # Twelfth session, with the steps queued ahead (``run_ahead``) and neighbouring batches under
-    # 16,384 padded tokens joined (``min_batch_tokens``): median step 22.1 %, steady steps 20.9 %
-    # time-weighted (205k tokens/s), walked tau@5 2.87 from scratch after 370 s on 7.55M tokens.
+    # One GPU, the default model, ~10k regenerated exchanges: 64 sequences of <= 1024 tokens per
+    # step, drawn by length, neighbouring batches joined up to 16,384 padded tokens; a stop at 8
+    # minutes of training, which also paces the cosine (the step horizon is an upper bound). The loss
+    # in the Triton kernels, the head's step compiled, the target's forward as a CUDA graph per batch
+    # shape. Token-budget batches and the flex attention were tried and gave worse heads at this
+    # budget (benchmarks/history/RESULTS-2026-12-04.md): they stay options.
     "full": TrainConfig(
         steps=6000, batch_size=64, grad_accum=1, max_length=1024, lr=8e-4, min_lr_ratio=0.05, warmup_steps=50,
         grad_clip=0.5, ttt_steps=7, draft_vocab_size=32000, eval_every=500, eval_examples=256, save_every=500,
         time_budget_s=480.0, compile_head=True, graph_target=True, min_batch_tokens=16384,
     ),
 }
+
+
+def read_settings(path: str | Path) -> Any:
+    """The JSON of a settings file (the ``config`` object of an earlier run's ``train_config.json``)."""
+    d = read_json(path, "training config")
+    if isinstance(d, dict) and isinstance(d.get("config"), dict):  # a train_config.json of an earlier run
+        d = d["config"]
+    return d
 
 
 def resolve_config(preset: str | None, config: "TrainConfig | str | None", device_type: str
@@ -265,14 +251,7 @@ def resolve_config(preset: str | None, config: "TrainConfig | str | None", devic
     if config is None:
         return base, name
     p = Path(config).expanduser()
-    if not p.is_file():
-        raise UserError(f"training config not found: {p} (give a JSON file of training settings)")
-    try:
-        overrides = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read the training config {p}: {e}") from None
-    if isinstance(overrides, dict) and isinstance(overrides.get("config"), dict):  # an earlier train_config.json
-        overrides = overrides["config"]
+    overrides = read_settings(p)
     if not isinstance(overrides, dict):
         raise UserError(f"the training config {p} must be a JSON object of settings")
     merged = base.to_dict()

@@ -19,7 +19,18 @@ from typing import Any, Sequence
 
 import torch
 
+from outrider import assets, sharegpt
+from outrider.bench import bench, print_table
+from outrider.config import TrainConfig
+from outrider.decode.engine import SpecEngine, eos_token_ids
+from outrider.decode.sampling import SamplingParams, derived_seed
 from outrider.fsutil import atomic_write_json, atomic_write_text
+from outrider.heads.formats import export
+from outrider.models import load_model
+from outrider.plan.acceptance import Acceptance
+from outrider.plan.planner import plan
+from outrider.train.prepare import build_dataset
+from outrider.train.trainer import train
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,6 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
     """Token ids in, token ids out, through ``SpecEngine`` (batched): greedy, or sampled at
     ``temperature`` (> 0), batch i seeded ``derived_seed(seed, i)`` (its rows then draw from streams
     ``RowRandom`` derives from that: no two rows of a run share one)."""
-    from outrider.decode.engine import SpecEngine
-    from outrider.decode.sampling import SamplingParams, derived_seed
-
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
     batches = 0
 
@@ -76,15 +84,6 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
 
 def demo(preset: str | None = None, out: str = "outrider-demo", console=None) -> list[dict[str, Any]]:
     from rich.console import Console
-
-    from outrider import assets, sharegpt
-    from outrider.bench import bench, print_table
-    from outrider.config import TrainConfig
-    from outrider.decode.engine import eos_token_ids
-    from outrider.heads.formats import export
-    from outrider.models import load_model
-    from outrider.train.prepare import build_dataset
-    from outrider.train.trainer import train
 
     console = console or Console()
     cuda = torch.cuda.is_available()
@@ -171,8 +170,6 @@ def choose_k(record: dict[str, Any], ks: Sequence[int] = K_RANGE) -> int:
     ``a_i`` measured at the record's k, the last rate repeated beyond it) and costs one verification
     (measured; on a GPU its cost barely moves with a few more positions, so it is taken as is) plus
     k draft steps (the measured drafting per step, scaled by k)."""
-    from outrider.plan.acceptance import Acceptance
-
     rates = record.get("accept_rate_per_pos") or []
     k0 = int(record["k"])
     if not rates or not record.get("verify_step_ms") or not record.get("draft_step_ms"):
@@ -219,8 +216,6 @@ def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float]
 
 def cpu_explanation(eagle: dict[str, Any], bench_path: Path) -> list[str]:
     """Why speculation loses on this CPU, in measured terms, and what the planner predicts for a GPU."""
-    from outrider.plan.planner import plan
-
     ratio = eagle["verify_step_ms"] / eagle["ar_step_ms"]
     draft = eagle["draft_step_ms"] / eagle["ar_step_ms"]
     lines = ["## Why no speed-up here",

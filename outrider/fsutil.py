@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from outrider.errors import UserError
+
 
 def _umask_mode(path: str | os.PathLike, base: int = 0o666) -> None:
     """Give a ``mkstemp`` file (always 0600) the mode a plain ``open`` would have given it."""
@@ -41,6 +43,19 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON") -> Any:
+    """The JSON in ``path``, or a one-line ``UserError`` naming ``what`` the file should have been."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{what} file not found: {p}")
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {what} file {p}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
 def write_json_output(path: str | os.PathLike, obj: Any) -> Path | None:

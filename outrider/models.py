@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from outrider import assets
 from outrider.errors import UserError
 
 DEFAULT_ALIAS = "default"
@@ -163,8 +164,6 @@ def arch_info(config: Any) -> ArchInfo:
 def resolve(spec: str | Path) -> Path:
     """Turn a model spec into a local path (a folder or a .gguf file); ``default`` must be pulled."""
     if str(spec) == DEFAULT_ALIAS:
-        from outrider import assets
-
         path = assets.default_model_dir()
         if not (path / "config.json").exists():
             raise UserError("the default model is not in the cache: run `outrider pull` first")

@@ -33,7 +33,7 @@ from outrider.plan.hardware import (
     parse_precision,
     profile_from_dict,
 )
-from outrider.plan.planner import KIMI_K25, SMOLLM2_135M
+from outrider.plan.presets import KIMI_K25, SMOLLM2_135M
 from tests.tiny import tiny_config
 
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.stream import Chunk, StreamedTarget, plan_chunks, plan_passes, text_config
+from outrider.train.stream import (
+    Chunk,
+    StreamedTarget,
+    plan_chunks,
+    plan_passes,
+    text_config,
+)
 
 AUX = (0, 2, 3)  # 0: the embeddings, as Hugging Face numbers them
 

@@ -66,10 +66,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: to
     return out.transpose(1, 2).reshape(B, n, -1)
 
 
-class GQAAttention(nn.Module):
-    """Llama attention over a 2H-wide input; keys/values through an optional slot cache."""
+class DraftAttention(nn.Module):
+    """What every head attention shares: ``project`` (the subclass's) -> ``attend`` -> ``o_proj``."""
 
-    scaling = None  # the softmax scale: head_dim ** -0.5
+    scaling: float | None = None  # the softmax scale (None: SDPA's default, head_dim ** -0.5)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+               cache: Any | None) -> torch.Tensor:
+        """``attend`` with this layer's scale -> [B, n, heads * d_v], before ``o_proj``."""
+        return attend(q, k, v, attention_mask, cache, self.scaling)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
+        # x: [batch, n, 2H]; cos/sin: [batch, n, rotary width]
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, k, v, attention_mask, cache))
+
+
+class GQAAttention(DraftAttention):
+    """Llama attention over a 2H-wide input; keys/values through an optional slot cache."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -90,14 +109,3 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
-               cache: Any | None) -> torch.Tensor:
-        """``attend`` with this layer's scale -> [B, n, heads * d], before ``o_proj``."""
-        return attend(q, k, v, attention_mask, cache, self.scaling)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
-        # x: [batch, n, 2H]; cos/sin: [batch, n, head_dim]
-        q, k, v = self.project(x, cos, sin)
-        return self.o_proj(self.attend(q, k, v, attention_mask, cache))

@@ -36,6 +36,7 @@ from outrider.heads.engines import (
     sglang_captures,
     vllm_captures,
 )
+from outrider.models import arch_info, load_config_dict
 
 FORMATS = ("sglang", "vllm", "speculators")
 EAGLE3_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle") + MLA_DRAFT_ARCHS
@@ -466,16 +467,12 @@ def _target_dict(target_config: Any) -> dict[str, Any] | None:
     if isinstance(target_config, dict):
         return target_config
     if isinstance(target_config, (str, Path)):
-        from outrider.models import load_config_dict
-
         return load_config_dict(target_config)
     return target_config.to_dict()
 
 
 def check_against_target(cfg: Eagle3Config, target_config: Any) -> None:
     """``UserError`` unless the head fits the target: hidden size, vocabulary, aux ids."""
-    from outrider.models import arch_info
-
     info = arch_info(_target_dict(target_config))
     if cfg.target_hidden_size != info.hidden_size:
         raise UserError(f"the head expects target hidden size {cfg.target_hidden_size}, the target has "
@@ -499,8 +496,6 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
     spec = read_head_spec(path)
     target = _target_dict(target_config)
     if target is not None:
-        from outrider.models import arch_info
-
         if spec.draft_vocab_size > arch_info(target).vocab_size:
             raise UserError(f"the head's draft vocabulary ({spec.draft_vocab_size}) is larger than the target's "
                             f"vocabulary ({arch_info(target).vocab_size}): this head was trained for another model")

@@ -71,6 +71,13 @@ from outrider.heads.engines import (
     sglang_writes,
 )
 from outrider.heads.launch import launch_text
+from outrider.models import (
+    arch_info,
+    load_config_dict,
+    resolve,
+    target_name,
+    tokenizer_fingerprint,
+)
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -234,13 +241,6 @@ def _target_record(target: str | None) -> tuple[dict[str, Any], dict[str, Any] |
     """(the ``outrider.target`` record, the target's config dict) for a target spec."""
     if target is None:
         return {}, None
-    from outrider.models import (
-        arch_info,
-        load_config_dict,
-        resolve,
-        target_name,
-        tokenizer_fingerprint,
-    )
 
     path = resolve(target)
     tcfg = load_config_dict(target)
@@ -258,8 +258,6 @@ def _target_record(target: str | None) -> tuple[dict[str, Any], dict[str, Any] |
 
 def _local_target(record: dict[str, Any]) -> str | None:
     """The recorded target as a spec that resolves on this machine (``default`` or a path), or None."""
-    from outrider.models import resolve
-
     for key in ("name_or_path", "name"):
         spec = record.get(key)
         if not spec:
@@ -278,15 +276,12 @@ def _recorded_model_type(record: dict[str, Any]) -> str | None:
     spec = _local_target(record)
     if spec is None:
         return None
-    from outrider.models import arch_info, load_config_dict
 
     return arch_info(load_config_dict(spec)).model_type
 
 
 def _verifier(target: str | None, record: dict[str, Any]) -> str:
     """speculators' ``verifier.name_or_path``: the target's resolved path, or the recorded hub id."""
-    from outrider.models import resolve
-
     spec = target or _local_target(record)
     if spec is not None:
         return str(resolve(spec))
@@ -300,8 +295,6 @@ def _verifier(target: str | None, record: dict[str, Any]) -> str:
 def _target_embedding(target: str, cfg: Eagle3Config) -> torch.Tensor:
     """The target's input embedding [vocab, H] from its safetensors, without loading the model."""
     from safetensors import SafetensorError, safe_open
-
-    from outrider.models import resolve
 
     path = resolve(target)
     if not path.is_dir():
@@ -419,7 +412,6 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
         check_against_target(cfg, target_cfg)
     elif meta.get("target"):
         record = dict(meta["target"])
-    from outrider.models import arch_info
 
     model_type = arch_info(target_cfg).model_type if target_cfg is not None else _recorded_model_type(record)
     num_layers = arch_info(target_cfg).num_layers if target_cfg is not None else record.get("num_layers")

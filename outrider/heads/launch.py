@@ -21,14 +21,13 @@ from outrider.heads.engines import (
     kv_bytes_per_token,
     option_issues,
 )
+from outrider.models import arch_info
 
 
 def launch_text(fmt: str, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
                 nested_note: str, target: str | None, target_cfg: dict[str, Any] | None,
                 model_type: str | None, k: int = 3) -> str:
     """LAUNCH.md: the engine command lines for this head and what to watch out for."""
-    from outrider.models import arch_info
-
     tgt = str(target) if target and str(target) != "default" else "<target model>"
     info = arch_info(target_cfg) if target_cfg is not None else None
     remote = bool(target_cfg and (target_cfg.get("auto_map") or str(info.model_type).startswith("kimi")))

@@ -35,7 +35,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from outrider.heads.attention import attend
+from outrider.heads.attention import DraftAttention
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -61,7 +61,7 @@ def softmax_scale(config: Any) -> float:
     return yarn_apply_mscale(config.rope_parameters(), (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(DraftAttention):
     """MLA over the 2H-wide input of an EAGLE-3 layer; the cache sees per-head keys and values."""
 
     def __init__(self, config: Any):
@@ -96,14 +96,3 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)  # [B, heads, n, nope], [B, heads, n, v]
         k = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
         return torch.cat([q_nope, q_rot], dim=-1), k, v.contiguous()
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
-               cache: Any | None) -> torch.Tensor:
-        """``attend`` with the MLA softmax scale -> [B, n, heads * v_head_dim], before ``o_proj``."""
-        return attend(q, k, v, attention_mask, cache, self.scaling)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache: Any | None) -> torch.Tensor:
-        # x: [batch, n, 2H]; cos/sin: [batch, n, rope]
-        q, k, v = self.project(x, cos, sin)
-        return self.o_proj(self.attend(q, k, v, attention_mask, cache))

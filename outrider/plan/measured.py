@@ -23,7 +23,6 @@ Not done here: measuring (the user's profiler), step times from our own bench (`
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from outrider.errors import UserError
+from outrider.fsutil import read_json
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
@@ -214,15 +214,7 @@ def read_measured(data: Any, origin: str = "measured", base: Path | None = None)
 
 
 def measured_json(path: str | Path) -> Any:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"measurements file not found: {p}")
-    try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read measurements file {p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"measurements file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    return read_json(path, "measurements")
 
 
 def load_measured(source: "str | Path | Mapping[str, Any] | Measured") -> Measured:

@@ -30,13 +30,12 @@ beyond a note when the weights do not fit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import write_json_output
+from outrider.fsutil import read_json, write_json_output
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.batching import (
     MODES,
@@ -63,7 +62,8 @@ from outrider.plan.hardware import (
     parse_precision,
 )
 from outrider.plan.measured import Fit, fit_profile, load_measured
-from outrider.plan.presets import KIMI_K25, PRESETS, SMOLLM2_135M, resolve_target  # noqa: F401 (re-exported)
+from outrider.plan.plot import plot_plan
+from outrider.plan.presets import resolve_target
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
@@ -107,18 +107,6 @@ class PlanResult:
         return max(cands, key=lambda p: p.speedup) if cands else None
 
 
-def _read_json(path: str, what: str) -> Any:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"{what} file not found: {p}")
-    try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {what} file {p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{what} file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-
-
 def _records(data: Any, path: str) -> list[dict]:
     if isinstance(data, dict) and isinstance(data.get("records"), list):
         data = data["records"]
@@ -132,7 +120,7 @@ def _records(data: Any, path: str) -> list[dict]:
 def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
     """method -> k -> Acceptance from a bench JSON; autoregressive records are skipped."""
     out: dict[str, dict[int, Acceptance]] = {}
-    for i, r in enumerate(_records(_read_json(path, "acceptance"), path)):
+    for i, r in enumerate(_records(read_json(path, "acceptance"), path)):
         method = r.get("method")
         if not isinstance(method, str):
             raise UserError(f"{path}: record {i} has no 'method'")
@@ -149,7 +137,7 @@ def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
 
 def _spread(path: str) -> RowSpread | None:
     """Rows of the first batch-1 record with per-prompt tau and steps (``bench`` writes them)."""
-    for r in _records(_read_json(path, "acceptance"), path):
+    for r in _records(read_json(path, "acceptance"), path):
         taus, steps = r.get("tau_per_batch"), r.get("row_steps_per_batch")
         if (r.get("batch_size", 1) == 1 and r.get("method") in METHODS and isinstance(taus, list)
                 and isinstance(steps, list) and len(taus) == len(steps) >= 4):
@@ -176,7 +164,7 @@ def _positive_ints(values: Sequence[int], what: str) -> list[int]:
 
 
 def _histogram(path: str) -> list[float]:
-    data = _read_json(path, "routing histogram")
+    data = read_json(path, "routing histogram")
     if not isinstance(data, list) or not data or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0
                                                       for x in data):
         raise UserError(f"{path}: a routing histogram is a JSON list of token counts per expert (numbers >= 0)")
@@ -184,7 +172,7 @@ def _histogram(path: str) -> list[float]:
 
 
 def _load_calibration(path: str, shape: ModelShape, hw: HardwareProfile, tp: int, context: int) -> Calibration:
-    data = _read_json(path, "calibration")
+    data = read_json(path, "calibration")
     name = Path(path).name
     if isinstance(data, dict) and "single_stream_tokens_per_s" in data:
         allowed = {"single_stream_tokens_per_s", "allreduce_share", "collectives_per_token"}
@@ -358,8 +346,6 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     if json_path is not None:
         write_json_output(json_path, result.rows)
     if plot_dir is not None:
-        from outrider.plan.plot import plot_plan
-
         written = plot_plan(result, plot_dir)
         if written is None:
             console.print("plots skipped: matplotlib is not installed (pip install matplotlib)")

@@ -112,7 +112,7 @@ CASES: tuple[Case, ...] = (
              "targets. The direction (no gain) is right, the size is not"),
 )
 
-# The profile the issue gives for Kimi-K2.5 INT4 on 8 x RTX PRO 6000 (PCIe Gen5, TP 8); no public
+# The profile reported in outrider issue 30 for Kimi-K2.5 INT4 on 8 x RTX PRO 6000 (PCIe Gen5, TP 8); no public
 # source for it was found. n-gram on reasoning output was measured there 9-26 % slower.
 ISSUE_PROFILE = {"tp": 8, "decode_tokens_per_s": {"1": 82.5}, "collective_share": {"1": 0.515},
                  "collectives_per_token": 127, "source": "the profile given in outrider issue 30 (no public source found)"}

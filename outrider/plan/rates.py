@@ -120,8 +120,8 @@ class CurvePoint:
     source: str
 
 
-_LINEAGE = ("a head trained from scratch (twelfth session), then trained on in the thirteenth to sixteenth "
-            "sessions on data that grew from 7.5 M to 18.4 M distinct tokens")
+_LINEAGE = ("a head trained from scratch, then trained on in four further runs on data that grew from "
+            "7.5 M to 18.4 M distinct tokens")
 LEARNING_CURVE: tuple[CurvePoint, ...] = (
     CurvePoint(36.8e6, 2.18, "benchmarks/history/results/cpu-bench-eagle3-head11.json (from scratch, first exchanges only, float32, "
                              "10 held-out prompts)"),

@@ -59,6 +59,7 @@ from outrider.plan.hardware import (
     parse_precision,
 )
 from outrider.plan.learning import Curve, Estimate, fit_curve
+from outrider.plan.measured import fit_profile, load_measured
 from outrider.plan.presets import PRESETS, resolve_target
 
 REGENERATE = ("served", "local", "none")
@@ -466,8 +467,6 @@ def train_plan(target: str, hardware: str, gpus: int = 1, conversations: int = 2
     hw = load_profile(hardware)
     serve_hw, calibration, notes = hw, f"{hw.name} profile, uncalibrated", []
     if measured is not None:
-        from outrider.plan.measured import fit_profile, load_measured
-
         m = load_measured(measured)
         tp_m = m.tp or gpus
         fit = fit_profile(shape, hw, tp_m, m, m.context or 2048)

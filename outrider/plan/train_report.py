@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from outrider.fsutil import atomic_write_text, write_json_output
 from outrider.plan import rates as R
 from outrider.plan.train_plan import Figure, Stage, TrainPlan
 
@@ -130,8 +131,6 @@ def to_json(plan: TrainPlan) -> dict[str, Any]:
 
 def report(plan: TrainPlan, console, markdown_path: str | None = None, json_path: str | None = None) -> None:
     """Print the plan; write its Markdown and its JSON where asked (atomically)."""
-    from outrider.fsutil import atomic_write_text, write_json_output
-
     if json_path != "-":
         print_plan(plan, console)
     if markdown_path:

@@ -55,7 +55,9 @@ from outrider.models import (
 )
 from outrider.progress import Bar
 from outrider.train import cache
-from outrider.train.datasets import load_split, read_manifest
+from outrider.train.capture import ModelSource
+from outrider.train.datasets import consecutive_groups, load_split, read_manifest
+from outrider.train.target_weights import TargetWeights
 
 
 @dataclass
@@ -83,15 +85,7 @@ class CaptureReport:
 
 def plan_shards(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Consecutive examples packed greedily into shards of at most ``max_tokens`` tokens."""
-    plan: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(lengths):
-        if not plan or size + n > max_tokens:
-            plan.append([])
-            size = 0
-        plan[-1].append(i)
-        size += n
-    return plan
+    return consecutive_groups(lengths, max_tokens)
 
 
 def default_shard_tokens(hidden_size: int, n_aux: int, dtype: str) -> int:
@@ -102,8 +96,6 @@ def default_shard_tokens(hidden_size: int, n_aux: int, dtype: str) -> int:
 
 def target_identity(target: str, cfg: dict[str, Any], tokenizer: dict[str, Any]) -> dict[str, Any]:
     """What pins the target in a cache's header (files only; no model is built)."""
-    from outrider.train.target_weights import TargetWeights
-
     info = arch_info(cfg)
     keep = {k: v for k, v in cfg.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
                                                        "use_cache", "architectures")}
@@ -209,8 +201,6 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
 def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any, batch_tokens: int | None,
                   progress: bool, device_map: Any = None, offload_folder: str | None = None):
     from transformers.utils import logging as hf_logging
-
-    from outrider.train.capture import ModelSource
 
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:  # --quiet: not even transformers' bar while the weights load

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from outrider import assets, sharegpt
 from outrider.errors import UserError
 
 _ROLES = {
@@ -143,8 +144,6 @@ def load_source(dataset: str, max_conversations: int | None) -> _Source:
     exclude: Callable[[dict], bool] | None = None  # held out for benchmarks (the embedded ShareGPT)
     note = ""
     if dataset == "sharegpt":
-        from outrider import assets, sharegpt
-
         sg = sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True))
         records = list(sg.conversations)
         exclude = sharegpt.held_out_filter(records)

@@ -395,9 +395,23 @@ def load_split(data: str, split: str, required: bool) -> TokenDataset | None:
     return load_dataset(data, split)
 
 
+def consecutive_groups(lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of consecutive examples packed greedily into groups of at most ``limit`` tokens (an
+    example longer than ``limit`` is a group of its own): cache shards, streamed passes."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(lengths):
+        if not groups or size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
 # On CUDA, batch widths are padded to a multiple of this: attention backends (cuDNN) build an
-# execution plan per shape, which cost ~30 ms of host time per new width and TTT step in a profile
-# of length-grouped batches (every batch a new width); 16 widths up to 1024 keep them cached.
+# execution plan per shape, tens of ms of host time per new width and TTT step when every
+# length-grouped batch has a new width; 16 widths up to 1024 keep them cached.
 PAD_MULTIPLE_CUDA = 64
 
 

@@ -43,10 +43,12 @@ from outrider.models import (
     parse_dtype,
     resident_weight,
 )
-from outrider.train import flops
+from outrider.train import flops, peers
 from outrider.train.cache import OutriderCache, dequantize
+from outrider.train.cache_capture import target_identity
 from outrider.train.capture import Captured, TargetCapture, TeacherHead
 from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
+from outrider.train.target_weights import TargetWeights
 
 
 def open_target(target: str, data: str | None, cache: str | None, device: torch.device, dtype: Any, loaded: Any,
@@ -139,8 +141,6 @@ class CacheSplit(TokenDataset):
 
 def open_cache(path: str | Path) -> Any:
     """Our cache, or a peer's (format detected from the files); a one-line refusal otherwise."""
-    from outrider.train import peers
-
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UserError(f"cache not found: {p} (give the --out of `outrider capture`, or a SpecForge or speculators "
@@ -155,8 +155,6 @@ class CachedTarget:
 
     def __init__(self, cache_path: str, target: str, device: torch.device, dtype: torch.dtype,
                  aux_layer_ids: Sequence[int] | None):
-        from outrider.train.target_weights import TargetWeights
-
         self.reader = open_cache(cache_path)
         self.weights = TargetWeights(target)
         self.config = self.weights.config
@@ -183,8 +181,6 @@ class CachedTarget:
         self.embedding = torch.nn.Embedding.from_pretrained(self.weights.embedding().to(device, dtype), freeze=True)
 
     def _check_target(self, target: str, info: Any) -> None:
-        from outrider.train.cache_capture import target_identity
-
         pinned = getattr(self.reader, "header", {}).get("target")
         if not pinned:
             return

@@ -45,6 +45,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.train.cache import Stored, teacher_rows
+from outrider.train.datasets import _pyarrow
 
 _SPECFORGE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _SPECULATORS = re.compile(r"^hs_(\d+)\.safetensors$")
@@ -176,8 +177,6 @@ class SpeculatorsCache:
 
 def _arrow_rows(data: Path, hs_dir: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``input_ids`` and ``loss_mask`` of a dataset written by ``datasets``' ``save_to_disk``."""
-    from outrider.train.datasets import _pyarrow
-
     pa, _ = _pyarrow()
     state = data / "state.json"
     if not state.exists():

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from outrider.errors import UserError
+from outrider.models import load_tokenizer, resolve
 from outrider.progress import Bar
 from outrider.train.conversations import Dropped, load_source
 from outrider.train.datasets import FORMAT, VERSION, write_dataset
@@ -149,8 +150,6 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
                   timeout: float = 300.0, device_map: str | dict | None = None,
                   offload_folder: str | None = None) -> DataReport:
     """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
-    from outrider.models import load_tokenizer, resolve
-
     _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
     if server and not regenerate:
         raise UserError("--server is only used to regenerate responses: add --regenerate")

@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from outrider.decode.sampling import derived_seed
-from outrider.models import input_device
+from outrider.models import input_device, load_model
 from outrider.progress import Bar
 from outrider.train.conversations import Conversation, Dropped
+from outrider.train.openai_client import ChatClient, ServerRejected
 from outrider.train.template import encode, render
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]  # prompts' token ids, max new -> new ids
@@ -209,8 +210,6 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
                   concurrency: int, cache: _Cache, bar: Bar, temperature: float = 0.0,
                   seed: int = 0) -> dict[str, _RegenResult]:
     """One thread per conversation in flight; each conversation goes turn by turn."""
-    from outrider.train.openai_client import ServerRejected
-
     tok_lock = threading.Lock()  # tokenizers are not guaranteed thread-safe
 
     def work(conv: Conversation, key: str) -> _RegenResult:
@@ -289,8 +288,6 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
     cache = _Cache(cache_file)
     client = None
     if server:
-        from outrider.train.openai_client import ChatClient
-
         client = ChatClient(server, server_model, **client_options)
         backend, model_name = "server", client.check()
     else:
@@ -313,8 +310,6 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
                                              cache, bar, temperature, seed))
             elif todo:
                 if generate_fn is None:
-                    from outrider.models import load_model
-
                     model, _ = load_model(target, with_tokenizer=False, device_map=placement[0],
                                           offload_folder=placement[1])
                     generate_fn = hf_generate_fn(model, pad_id(tokenizer, end), end, temperature=temperature,

@@ -47,7 +47,8 @@ from typing import Any, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.models import check_aux_ids, parse_dtype, resolve
+from outrider.models import check_aux_ids, parse_dtype, read_json_object, resolve
+from outrider.train.datasets import consecutive_groups
 from outrider.train.int4 import Int4Scheme
 from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
 from outrider.train.weights import (
@@ -69,8 +70,6 @@ GB = 1e9
 def text_config(path: Path):
     """The text model's config of a checkpoint folder and its ``quantization_config`` (dict or None)."""
     from transformers import AutoConfig, DeepseekV3Config
-
-    from outrider.models import read_json_object
 
     raw = read_json_object(path / "config.json")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
@@ -137,15 +136,7 @@ class Chunk:
 def plan_passes(lengths: Sequence[int], tokens_per_pass: int) -> list[list[int]]:
     """Consecutive examples grouped into passes of at most ``tokens_per_pass`` tokens (a longer
     example is a pass of its own)."""
-    passes: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if not passes or total + n > tokens_per_pass:
-            passes.append([])
-            total = 0
-        passes[-1].append(i)
-        total += n
-    return passes
+    return consecutive_groups(lengths, tokens_per_pass)
 
 
 def plan_chunks(lengths: Sequence[int], packed: bool, max_tokens: int, max_bytes: float = math.inf,

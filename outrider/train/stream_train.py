@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
+from outrider.models import load_tokenizer
 from outrider.train import cache, flops
 from outrider.train.capture import TeacherHead
 from outrider.train.datasets import Batch, BatchCursor, load_split
 from outrider.train.features import CachedFeatures, CacheSplit
 from outrider.train.stream import StreamedTarget
+from outrider.train.target_weights import TargetWeights
 
 
 class PassCursor:
@@ -153,8 +155,6 @@ class StreamedOnline:
 
     def __init__(self, target: str, data: str, device: torch.device, dtype: torch.dtype,
                  aux_layer_ids: Sequence[int] | None, options: dict[str, Any]):
-        from outrider.train.target_weights import TargetWeights
-
         self.device, self.dtype = device, dtype
         train = load_split(data, "train", required=True)
         evals = load_split(data, "eval", required=False)
@@ -164,7 +164,6 @@ class StreamedOnline:
         if evals is not None:
             self.splits["eval"] = CacheSplit(evals.input_ids, evals.loss_mask, evals.conv_ids, tokenizer, "eval",
                                              len(train))
-        from outrider.models import load_tokenizer
 
         self.splits["train"].check_tokenizer(load_tokenizer(target))
         self.weights = TargetWeights(target)

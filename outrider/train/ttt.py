@@ -62,6 +62,7 @@ import torch
 from torch.nn import functional as F
 
 from outrider.heads.eagle3 import Eagle3Head
+from outrider.train import soft_ce
 from outrider.train.capture import context_mask, real_positions
 
 
@@ -330,8 +331,6 @@ def _step_parts(head: Eagle3Head, compile_head: bool | str | Callable) -> tuple[
 def loss_function(fused: bool | str, device_type: str = "cuda") -> Callable:
     """The soft cross-entropy ``ttt_loss`` uses for its ``fused`` setting (see there) on tensors of
     ``device_type``; the Triton kernels serve CUDA tensors only (elsewhere a fused loss is compiled)."""
-    from outrider.train import soft_ce
-
     if fused not in (False, True, "triton", "compile"):
         raise ValueError(f"fused must be a bool, 'triton' or 'compile', not {fused!r}")
     if not fused:

@@ -34,12 +34,13 @@ from outrider.decode.graphs import capture_graph, compiled
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
+from outrider.heads.checkpoint import load_head
 
-SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: on an H200 an odd count (1537) drew
-# an unaligned GEMM for the draft step's scores, 26 us instead of ~2.5 us
+SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
+# for the draft step's scores
 # With graphs a prompt's pending block is padded on the left to a multiple of PROMPT_BUCKET, like the target's
-# prompt, and a request's first draft replays as a graph per width (eager it took 6.35 ms on an H200, 0.164 ms
-# per round of a 103-token answer), up to
+# prompt, and a request's first draft replays as a graph per width (eager, it costs about as much as a few
+# rounds of drafting), up to
 PROMPT_GRAPH_TOKENS = 4096  # batch x width positions,
 PROMPT_GRAPHS_MAX = 16  # widths per batch size (eager beyond: each graph keeps its memory)
 
@@ -99,8 +100,6 @@ class Eagle3Proposer(Proposer):
 
     @classmethod
     def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
-        from outrider.heads.checkpoint import load_head
-
         head, _ = load_head(path, target_config=target.config)
         param = next(target.parameters())
         head = head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
