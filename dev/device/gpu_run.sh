@@ -21,6 +21,10 @@ job() {
   cp /tmp/demo/summary.md /tmp/demo/bench.json $RES/ 2>/dev/null
   cp /tmp/demo/train/metrics.jsonl $RES/demo-train-metrics.jsonl 2>/dev/null
   cp /tmp/demo/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
+  stage typed outrider bench default --method eagle3 --draft /tmp/demo/head --k 5 --num-prompts 30 \
+      --json $RES/bench-typed.json
+  stage eager outrider bench default --method eagle3 --draft /tmp/demo/head --k 5 --num-prompts 30 --no-compile \
+      --json $RES/bench-eager.json
   stage batches python3 benchmarks/planner_batches.py --out $RES --draft /tmp/demo/head --k 5 \
       --batches 1,4,16,64 --num-prompts 32 --max-new-tokens 128 --device cuda
   stage cache python3 benchmarks/cache_bench.py --data /tmp/demo/data --work /tmp/cb --steps 100 --examples 3000 \
@@ -37,6 +41,6 @@ start) mkdir -p $RES; nvidia-smi --query-gpu=name,memory.total --format=csv > $R
 job) job;;
 wait) end=$(( $(date +%s) + $2 ))
       while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE $RES/status; do sleep 10; done
-      cat $RES/status; tail -3 $RES/*.log | tail -40
+      cat $RES/status; tail -n 3 $RES/*.log | tail -40
       tar czf $OUT/results.tgz -C $RES . ;;
 esac
