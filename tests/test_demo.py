@@ -4,7 +4,7 @@ explanation, which states the measured cost ratios and the planner's GPU predict
 import json
 
 from outrider import sharegpt
-from outrider.demo import choose_k, cpu_explanation
+from outrider.demo import ar_record, choose_k, cpu_explanation
 
 
 def _record(rates, verify_ms, draft_ms, k=5):
@@ -30,6 +30,18 @@ def test_cpu_explanation_states_the_measured_ratios_and_a_gpu_prediction(tmp_pat
     text = "\n".join(cpu_explanation(rec, path))
     assert "costs 2.5x a plain decoding step" in text and "another 1.5x" in text
     assert "The planner predicts" in text and "H200" in text
+
+
+def test_the_ar_row_carries_the_ar_passes_and_none_of_the_methods_figures():
+    paired = _record([0.5, 0.2], verify_ms=1.4, draft_ms=0.3, k=2)
+    paired.update(ar_tokens_per_s=20.0, tokens_per_s=30.0, speedup_vs_ar=1.5, decode_speedup_vs_ar=1.6,
+                  speedup_per_pass=[1.5], step_ms=1.7, prefill_ms=9.0, ar_prefill_ms=8.0, greedy_agreement=0.9,
+                  propose_step_ms=0.3)
+    ar = ar_record(paired)
+    assert ar["method"] == "ar" and ar["tokens_per_s"] == 20.0 and ar["tau"] == 1.0
+    assert ar["speedup_vs_ar"] == ar["decode_speedup_vs_ar"] == 1.0 and ar["speedup_per_pass"] == [1.0]
+    assert ar["verify_step_ms"] == ar["step_ms"] == ar["ar_step_ms"] and ar["prefill_ms"] == 8.0
+    assert "greedy_agreement" not in ar and "propose_step_ms" not in ar
 
 
 def test_training_exchanges_hold_out_benchmark_prompts(tmp_path):
