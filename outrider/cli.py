@@ -124,6 +124,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     if a.force and a.resume:
         raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock
     with claim_dir(a.out, "run", inputs=[a.data, a.cache, a.target, a.init, a.config, a.offload_folder],
                    lock=rank0) as claim:
