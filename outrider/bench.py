@@ -3,11 +3,14 @@
 Contract: ``bench(...)`` loads the target once, draws prompts (by default first user turns of
 the held-out ShareGPT split, rendered with the target's chat template), warms up, then decodes
 the same prompts with plain autoregressive decoding (our engine, and optionally Hugging Face
-``generate``) and with the chosen method. It returns one record (and writes a JSON list of
-records atomically) with at least: method, k, num_prompts, new_tokens, tau,
+``generate``) and with the chosen method. It returns one record (and, after printing the table,
+writes a JSON list of records atomically; when that file cannot be written, to a temporary file
+that the one-line error names) with at least: method, k, num_prompts, new_tokens, tau,
 accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
 ``lossless`` is only claimed for greedy runs: every output equals the autoregressive output.
-Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
+``tau`` is the tokens a verify step emits per row (at most k+1, and a step cut by EOS or
+max_new_tokens counts what it emitted). Prompt files are plain text (one per line) or a JSON list
+of strings; a conversation file is refused. Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
 With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
 batch, so that a machine whose speed drifts during the run cannot favour either.
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
+from outrider.cliargs import os_error_line
 from outrider.decode.engine import (
     GenerationResult,
     SpecEngine,
@@ -80,19 +86,51 @@ def prompt_texts(source: str = "sharegpt", num_prompts: int = 10) -> list[str]:
     if source == "sharegpt":
         texts = sharegpt.first_user_turns(sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True)), heldout_only=True, limit=num_prompts)
     else:
-        path = Path(source)
-        require(path.exists(), f"prompt file not found: {path}")
-        raw = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            try:
-                texts = [str(t) for t in json.loads(raw)]
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} is not a JSON list of prompt strings: {e}") from None
-        else:
-            texts = [line for line in raw.splitlines() if line.strip()]
-        texts = texts[:num_prompts]
+        texts = _prompt_file(Path(source))[:num_prompts]
     require(len(texts) > 0, f"no prompts in {source}")
     return texts
+
+
+def _not_prompts(path: Path, item: Any, where: str) -> UserError:
+    if isinstance(item, dict) and ("conversations" in item or "messages" in item):
+        return UserError(f"{path} is a conversation file ({where} is a ShareGPT/OpenAI record), not prompts: give "
+                         "a .txt file (one prompt per line) or a JSON list of strings")
+    return UserError(f"{path}: {where} is {type(item).__name__}, not a prompt string: give a .txt file (one prompt "
+                     "per line) or a JSON list of strings")
+
+
+def _prompt_file(path: Path) -> list[str]:
+    """Prompt texts of a .txt file (one per line) or a JSON list of strings; conversation records,
+    JSON objects and JSONL records are refused (their Python repr would be benchmarked)."""
+    require(path.is_file(), f"prompt file not found: {path}" if not path.exists() else f"{path} is not a file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text: give a .txt file (one prompt per line) or a JSON list of "
+                        "strings") from None
+    if path.suffix == ".json" or raw.lstrip().startswith(("[", "{")):
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            if path.suffix == ".json" or raw.lstrip().startswith("["):
+                raise UserError(f"{path} is not a JSON list of prompt strings: {e}") from None
+            data = None  # JSONL, or text that merely starts with a brace: the lines decide below
+        if data is not None:
+            if not isinstance(data, list):
+                raise _not_prompts(path, data, "the file's JSON")
+            for i, item in enumerate(data):
+                if not isinstance(item, str):
+                    raise _not_prompts(path, item, f"item {i}")
+            return data
+    lines = [line for line in raw.splitlines() if line.strip()]
+    for i, line in enumerate(lines[:3]):
+        if line.lstrip().startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            raise _not_prompts(path, record, f"line {i + 1}")
+    return lines
 
 
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
@@ -333,8 +371,25 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     if console is not None:
         print_table([record], console)
     if json_path:
-        write_json_output(json_path, [record])
+        _write_record(json_path, record)
     return record
+
+
+def _write_record(json_path: str, record: dict[str, Any]) -> None:
+    """``--json F`` after the table: when F cannot be written, the record goes to a temporary file
+    that the one-line error names, so that a long measurement is never lost."""
+    try:
+        write_json_output(json_path, [record])
+    except OSError as e:
+        try:
+            fd, fallback = tempfile.mkstemp(prefix="outrider-bench-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps([record], indent=2) + "\n")
+        except OSError:
+            raise UserError(f"cannot write --json {os_error_line(e, json_path)}; the measurements are in the table "
+                            "above") from None
+        raise UserError(f"cannot write --json {os_error_line(e, json_path)}; the measurements were saved to "
+                        f"{fallback}") from None
 
 
 def print_table(records: list[dict[str, Any]], console) -> None:

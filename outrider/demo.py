@@ -5,7 +5,7 @@ engine) -> train an EAGLE-3 head (preset ``quick`` on CPU, ``full`` on CUDA unle
 bench autoregressive vs n-gram vs EAGLE-3 on held-out prompts -> export for vLLM -> summary.
 Writes ``OUT/head/`` (the trained head), ``OUT/bench.json`` (a list of bench records, one per
 method), ``OUT/export-vllm/`` and ``OUT/summary.md``. Stages whose output already exists are
-reused (delete the folder to start over), so an interrupted demo resumes where it stopped.
+reused (``outrider demo --force`` starts over), so an interrupted demo resumes where it stopped.
 
 Not done here: anything the stage verbs do not do; the demo only chains them.
 """

@@ -186,9 +186,12 @@ def load_config_dict(spec: str | Path) -> dict[str, Any]:
 
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path / 'config.json'} is not a model config (a JSON object), it is a {type(cfg).__name__}")
+    return cfg
 
 
 def default_device() -> torch.device:

@@ -200,9 +200,31 @@ def test_frozen_weights_fold_the_projections_of_one_input():
 def test_self_draft_accepts_everything(tiny_models):
     model = tiny_models("llama")
     for k in (1, 4, 6):
-        r = SpecEngine(model, DraftModelProposer(model), k=k).generate(_prompts()[:2], 40)
+        # 1 token from the prefill, then 5 whole steps of k+1: no step is cut by max_new_tokens
+        r = SpecEngine(model, DraftModelProposer(model), k=k).generate(_prompts()[:2], 1 + 5 * (k + 1))
         assert r.tau == pytest.approx(k + 1)
         assert r.accept_rate_per_pos == [1.0] * k
+
+
+def _emitted_per_step(r) -> float:
+    """Tokens the verify steps emitted (all but each row's first, which the prefill yields), per row step."""
+    return (r.new_tokens - len(r.tokens)) / r.row_steps
+
+
+@pytest.mark.parametrize("k, max_new", [(100, 8), (6, 40), (4, 3)])
+def test_tau_counts_the_tokens_steps_emit_when_max_new_tokens_cuts_them(tiny_models, k, max_new):
+    """tau is tokens emitted per verify step: never above k+1, never above what the steps emitted
+    (a self-draft accepts all k+1, but max_new_tokens cuts the last step; it once reported 21.0
+    for 8 tokens at k=100)."""
+    model = tiny_models("llama")
+    for proposer in (DraftModelProposer(model), NgramProposer(1, 3)):
+        r = SpecEngine(model, proposer, k=k).generate(_prompts()[:2], max_new)
+        assert all(len(t) <= max_new for t in r.tokens)
+        assert 1.0 <= r.tau <= k + 1
+        assert r.tau == pytest.approx(_emitted_per_step(r))  # no EOS in these tiny runs: exactly the emitted
+        assert all(0.0 <= a <= 1.0 for a in r.accept_rate_per_pos)
+    r = SpecEngine(model, DraftModelProposer(model), k=k).generate(_prompts()[:2], max_new)
+    assert r.accept_rate_per_pos[:max_new - 2] == [1.0] * min(k, max_new - 2)  # a cut step still accepted all
 
 
 def test_ngram_tau_above_one_on_repetitive_text(tiny_models):

@@ -73,10 +73,11 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens a verify step yields per row: 1 + accepted drafts (bonus token included).
+        """Mean tokens a verify step emits per row: 1 + accepted drafts (bonus token included).
 
-        Counted from the verifier's outcome, before truncation at EOS or max_new_tokens, as vLLM's
-        mean acceptance length is; 1.0 for plain decoding.
+        A step cut short by EOS or ``max_new_tokens`` counts only the drafts whose tokens reached
+        the output (``_account``), so tau never exceeds k+1 nor the tokens the steps emitted; 1.0
+        for plain decoding.
         """
         return 1.0 + sum(self.accepted) / self.row_steps if self.row_steps else 0.0
 
@@ -423,13 +424,19 @@ class SpecEngine:
 
     def _account(self, b: int, record: list[int], k: int, result: GenerationResult, histories: list[list[int]],
                  alive: list[bool], max_new: int) -> None:
-        """One step of row b from its record [accepted, drafted, k+1 verified tokens]: counts, then emit."""
+        """One step of row b from its record [accepted, drafted, k+1 verified tokens]: emit, then count.
+
+        A step that EOS or ``max_new_tokens`` cut after e < n+1 of its tokens counts its first e-1
+        draft positions only (all accepted): its count is then the e tokens it emitted, not the n+1
+        the verifier allowed, and the positions past the cut are neither proposed nor accepted."""
         n, num, toks = record[0], record[1], record[2:]
         result.row_steps += 1
-        for i in range(k):
+        before = len(result.tokens[b])
+        self._emit(b, toks[:n + 1], result, histories, alive, max_new)
+        emitted = len(result.tokens[b]) - before
+        for i in range(k if emitted == n + 1 else emitted - 1):
             result.proposed[i] += int(num > i)
             result.accepted[i] += int(n > i)
-        self._emit(b, toks[:n + 1], result, histories, alive, max_new)
 
     def _emit(self, b: int, toks: list[int], result: GenerationResult, histories: list[list[int]],
               alive: list[bool], max_new: int) -> None:

@@ -2,7 +2,8 @@
 
 Contract:
 - ``export(head_or_dir, format, out, target=None)`` writes ``out/`` atomically: ``config.json``,
-  ``model.safetensors`` and ``LAUNCH.md`` (the engine flags for this head). Before the new
+  ``model.safetensors`` and ``LAUNCH.md`` (an earlier folder's output marker and lock carried over,
+  ``outrider.outputs``) (the engine flags for this head). Before the new
   directory replaces ``out`` it is read back with ``load_head`` and the reloaded head's logits
   on random inputs must equal the in-memory head's (same dtype, same ops): a head whose tensors
   SGLang would silently ignore never ships. Any missing or unknown tensor name fails the export.
@@ -78,6 +79,7 @@ from outrider.models import (
     target_name,
     tokenizer_fingerprint,
 )
+from outrider.outputs import OWN_FILES
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -466,7 +468,7 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     reference = copy.deepcopy(original).to(device="cpu", dtype=torch_dtype).eval()
     from safetensors.torch import save_file
 
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, carry=OWN_FILES) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "LAUNCH.md").write_text(launch)

@@ -30,6 +30,7 @@ beyond a note when the weights do not fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -129,10 +130,41 @@ def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
         k = r.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise UserError(f"{path}: record {i} ({method}) needs an integer 'k' >= 1")
+        _check_tau(r, k, f"{path}: record {i} ({method})")
         out.setdefault(method, {})[k] = Acceptance.from_record(r, origin=Path(path).name)
     if not out:
         raise UserError(f"{path}: no speculative records (method eagle3, ngram or draft) to take acceptance from")
     return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_tau(r: dict[str, Any], k: int, where: str) -> None:
+    """Refuse a record whose tau breaks its definition: tokens emitted per verify step, so within
+    [1, k+1], within what a step can emit under ``max_new_tokens`` (the prefill yields the first
+    token), and, with the per-batch figures, at most the tokens the steps emitted."""
+    tau = r.get("tau")
+    if tau is None:
+        return
+    if not _number(tau):
+        raise UserError(f"{where}: 'tau' must be a number, got {tau!r}")
+    cap = k + 1
+    max_new = r.get("max_new_tokens")
+    if _number(max_new) and max_new >= 2:
+        cap = min(cap, int(max_new) - 1)
+    if not 1.0 <= tau <= cap + 1e-9:
+        raise UserError(f"{where}: tau {tau:g} is impossible: tokens per step lie in [1, {cap}] at k={k}"
+                        + (f" and max_new_tokens={max_new}" if cap < k + 1 else "") + ": re-measure with `outrider bench`")
+    taus, steps, new, prompts = (r.get(x) for x in ("tau_per_batch", "row_steps_per_batch", "new_tokens",
+                                                    "num_prompts"))
+    if (isinstance(taus, list) and isinstance(steps, list) and len(taus) == len(steps)
+            and all(map(_number, taus + steps)) and _number(new) and _number(prompts)):
+        emitted = sum(t * n for t, n in zip(taus, steps))
+        if emitted > new - prompts + 1e-6 * max(new, 1):
+            raise UserError(f"{where}: tau per batch x steps counts {emitted:g} tokens, more than the {new - prompts:g} "
+                            "the steps emitted: re-measure with `outrider bench`")
 
 
 def _spread(path: str) -> RowSpread | None:
@@ -145,6 +177,18 @@ def _spread(path: str) -> RowSpread | None:
             return spread_from_bench(acc.rates, taus, steps, int(r.get("max_new_tokens", 128)),
                                      f"{Path(path).name} ({len(taus)} prompts at batch 1)")
     return None
+
+
+def check_tp(tp: int, arch: Any, name: str) -> None:
+    """Refuse a tensor-parallel size the engines cannot shard the target over: it must divide the
+    attention heads, and (GQA) divide the KV heads or be a multiple of them (vLLM's rule: KV
+    heads are then replicated)."""
+    heads, kv = int(arch.num_heads), int(arch.num_kv_heads or arch.num_heads)
+    mla = bool(getattr(arch, "kv_lora_rank", 0))
+    if heads % tp or (not mla and kv % tp and tp % kv):
+        sizes = [t for t in range(1, heads + 1) if not heads % t and (mla or not kv % t or not t % kv)]
+        raise UserError(f"--tp {tp} cannot shard {name}: it has {heads} attention heads"
+                        + ("" if mla else f" and {kv} KV heads") + f"; use one of {', '.join(map(str, sizes))}")
 
 
 def _pick(table: dict[int, Acceptance], k: int) -> Acceptance:
@@ -242,6 +286,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     if isinstance(routing_histogram, (str, Path)):
         routing_histogram = _histogram(str(routing_histogram))
     name, arch, preset_prec = resolve_target(target)
+    check_tp(tp, arch, name)
     if routing_histogram is not None and len(routing_histogram) != arch.num_experts:
         raise UserError(f"the routing histogram has {len(routing_histogram)} entries but {name} has "
                         f"{arch.num_experts} routed experts: give one token count per expert")

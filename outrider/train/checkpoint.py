@@ -83,7 +83,8 @@ def write_state(last_dir: Path, state: dict[str, Any], save_head: Callable[[Path
     with atomic_dir(last_dir) as tmp:
         save_head(tmp / "head")
         vocab.save(tmp)
-        torch.save(state, tmp / "trainer_state.pt")
+        with open(tmp / "trainer_state.pt", "wb") as f:  # a Python file: a full disk surfaces as its OSError
+            torch.save(state, f)
         (tmp / "trainer_state.json").write_text(json.dumps(readable, indent=2) + "\n")
 
 

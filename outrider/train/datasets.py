@@ -21,6 +21,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
+from outrider.outputs import OWN_FILES
 from outrider.train.template import vocab_identity
 
 FORMAT = "outrider-tokens"
@@ -65,8 +66,9 @@ def _write_split(directory: Path, split: str, rows: list[tuple[str, list[int], l
 
 def write_dataset(out: Path, manifest: dict[str, Any], rows: dict[str, list[tuple[str, list[int], list[int]]]],
                    shard_rows: int) -> None:
-    """Both splits' shards and ``manifest.json`` (its ``splits`` filled in here) into ``out``, atomically."""
-    with atomic_dir(out) as tmp:
+    """Both splits' shards and ``manifest.json`` (its ``splits`` filled in here) into ``out``, atomically
+    (an earlier folder's output marker and lock carried over, ``outrider.outputs``)."""
+    with atomic_dir(out, carry=OWN_FILES) as tmp:
         for split in ("train", "eval"):
             shards = _write_split(tmp, split, rows[split], shard_rows)
             manifest["splits"][split] = {"examples": len(rows[split]), "tokens": sum(s["tokens"] for s in shards),

@@ -1,0 +1,269 @@
+"""Command-line values checked before any work starts, and OS errors told as one line.
+
+Contract: every numeric flag is parsed by a type from here that states its range (``IntRange``,
+``FloatRange``, ``int_list``), so a value out of range is refused at parse time with one line
+saying the range; ``device`` refuses a device this machine does not have. ``check_args`` runs the
+checks that join several flags or look at an input's kind (k within max-new-tokens, a draft of
+the kind the method needs) before the verb starts. ``OneLineParser`` prints an argument error as
+one line (no usage block), exit status 2. ``os_error_line`` turns an ``OSError`` a user can fix
+(permissions, a read-only or full file system, a path through a file, a folder where a file
+belongs, a name too long) into that one line; ``USER_ERRNOS`` lists them. Nothing heavy is
+imported at module level, so ``outrider --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from outrider.errors import UserError
+from outrider.fsutil import shown_path
+
+K_MAX = 64  # draft tokens per step: a verification forward of k+1 positions, k+1 cache slots a step
+
+USER_ERRNOS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file is too large for the file system",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EISDIR: "it is a folder, not a file",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.ELOOP: "too many symbolic links",
+    errno.EBUSY: "it is busy (a mount point?)",
+    errno.EXDEV: "it crosses file systems",
+    errno.EMFILE: "too many open files",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line: ``outrider VERB: error: ...``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+class IntRange:
+    """An argparse type: an integer in ``lo..hi`` (``hi`` None: no upper bound)."""
+
+    def __init__(self, lo: int, hi: int | None = None, why: str = ""):
+        self.lo, self.hi, self.why = lo, hi, why
+        self.__name__ = "integer"
+
+    def describe(self) -> str:
+        return f"an integer >= {self.lo}" if self.hi is None else f"an integer in {self.lo}..{self.hi}"
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got '{text}'") from None
+        if value < self.lo or (self.hi is not None and value > self.hi):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}{self.why}, got {value}")
+        return value
+
+
+class FloatRange:
+    """An argparse type: a finite number in ``[lo, hi]``; ``open_lo``/``open_hi`` exclude the ends."""
+
+    def __init__(self, lo: float | None = None, hi: float | None = None, open_lo: bool = False,
+                 open_hi: bool = False):
+        self.lo, self.hi, self.open_lo, self.open_hi = lo, hi, open_lo, open_hi
+        self.__name__ = "number"
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"a number {'>' if self.open_lo else '>='} {self.lo:g}"
+        return (f"a number in {'(' if self.open_lo else '['}{self.lo:g}, {self.hi:g}"
+                f"{')' if self.open_hi else ']'}")
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got '{text}'") from None
+        ok = math.isfinite(value)
+        if ok and self.lo is not None:
+            ok = value > self.lo if self.open_lo else value >= self.lo
+        if ok and self.hi is not None:
+            ok = value < self.hi if self.open_hi else value <= self.hi
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text}")
+        return value
+
+
+POSITIVE = IntRange(1)
+NONNEGATIVE = IntRange(0)
+SEED = IntRange(0, 2**63 - 1)
+K = IntRange(1, K_MAX, " (draft tokens per step)")
+
+
+def int_list(lo: int, hi: int | None = None, what: str = "integers"):
+    """An argparse type: comma-separated integers, each in ``lo..hi``."""
+    each = IntRange(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got '{text}'") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got nothing")
+        bad = [v for v in values if v < lo or (hi is not None and v > hi)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{what} must each be {each.describe()}, got {bad[0]}")
+        return values
+
+    parse.__name__ = what
+    return parse
+
+
+def batch_values(lo: float, hi: float | None = None):
+    """An argparse type: 'VALUE' (batch 1) or 'BATCH:VALUE,...' with batches >= 1 and values in range."""
+    value_type = FloatRange(lo, hi, open_lo=hi is None)
+
+    def parse(text: str) -> dict[int, float]:
+        out = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            b, _, v = part.rpartition(":")
+            try:
+                batch = int(b) if b else 1
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected VALUE or BATCH:VALUE,..., got '{text}'") from None
+            if batch < 1:
+                raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {batch}")
+            out[batch] = value_type(v)
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected VALUE or BATCH:VALUE,..., got '{text}'")
+        return out
+
+    parse.__name__ = "values"
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``, refused unless this machine has it."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown device '{text}': use cpu, cuda or cuda:N")
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"'{text}' was asked for but CUDA is not available on this machine: "
+                                             "use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"'{text}' does not exist: this machine has "
+                                             f"{torch.cuda.device_count()} GPU(s)")
+    return text
+
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
+
+
+def dtype(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype '{text}': use float32, bfloat16 or float16")
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Checks that join flags or look at inputs, before the verb starts
+
+
+def draft_kind(path: str) -> str | None:
+    """'head' (an EAGLE-3 head's config), 'model' (a causal LM's), or None (nothing to tell from)."""
+    folder = Path(path).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        return "model" if folder.is_file() else None  # a GGUF file is a model
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    archs = " ".join(str(a) for a in cfg.get("architectures") or [] if isinstance(a, str)).lower()
+    head_keys = ("eagle_config", "speculators_config", "speculators_model_type", "draft_vocab_size", "outrider")
+    return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
+
+
+def _check_decoding(a: argparse.Namespace) -> None:
+    if a.method == "ar":
+        return
+    if a.k > a.max_new_tokens:
+        raise UserError(f"--k {a.k} exceeds --max-new-tokens {a.max_new_tokens}: a step cannot emit more tokens "
+                        "than are asked for; lower --k")
+    if a.method in ("draft", "eagle3"):
+        if a.draft is None:
+            raise UserError(f"--method {a.method} needs --draft")
+        kind = draft_kind(a.draft)
+        if a.method == "eagle3" and kind == "model":
+            raise UserError(f"--draft {a.draft} is a full model, not an EAGLE-3 head: use --method draft for a "
+                            "draft model")
+        if a.method == "draft" and kind == "head":
+            raise UserError(f"--draft {a.draft} is an EAGLE-3 head, not a draft model: use --method eagle3")
+
+
+def _check_plan(a: argparse.Namespace) -> None:
+    if a.tau is not None and not 1.0 <= a.tau <= a.tau_k + 1:
+        raise UserError(f"--tau {a.tau:g} is impossible at --tau-k {a.tau_k}: tokens per step lie in "
+                        f"[1, {a.tau_k + 1}] (at most k drafts plus one)")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """The verb's checks that join several flags or look at an input's kind (``UserError``)."""
+    if a.verb in ("generate", "bench"):
+        _check_decoding(a)
+    elif a.verb == "plan":
+        _check_plan(a)
+
+
+def user_os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` a user can fix behind ``e``: ``e`` itself, one it was raised from, or, for
+    writers that report one as text (``torch.save``, safetensors), one rebuilt from its message."""
+    seen = 0
+    cause: BaseException | None = e
+    while cause is not None and seen < 8:
+        if isinstance(cause, OSError) and cause.errno in USER_ERRNOS:
+            return cause
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG):
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def os_error_line(e: OSError, fallback_path: Any = None) -> str:
+    """One line for an ``OSError`` a user can fix: the path (as the user named it) and what is wrong."""
+    path = shown_path(e.filename) or (str(fallback_path) if fallback_path else None)
+    reason = USER_ERRNOS.get(e.errno, e.strerror or str(e))
+    hint = {errno.ENOSPC: ": free some space and rerun (finished work is kept)",
+            errno.EDQUOT: ": free some space and rerun (finished work is kept)",
+            errno.EROFS: ": choose an output on a writable file system",
+            errno.EACCES: ": choose a path you may write to, or fix its permissions"}.get(e.errno, "")
+    return f"{path}: {reason}{hint}" if path else f"{reason}{hint}"
+
+
+def stderr_line(verb: str, message: str) -> None:
+    print(f"outrider {verb}: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def output_of(a: argparse.Namespace) -> Any:
+    """The verb's main output argument (named when an OS error carries no path)."""
+    for name in ("out", "json", "plot"):
+        value = getattr(a, name, None)
+        if value not in (None, "-"):
+            return os.fspath(value)
+    return None
