@@ -13,7 +13,7 @@ One run, three parts (``--parts``, default all):
 Prints the figures and writes a JSON record (hardware, date, commit, command) to ``--json``.
 
 On an H200 (about 5 minutes: three compilations of the head dominate): ``python benchmarks/cache_bench.py --data DATA --work /tmp/cb
---json benchmarks/results/h200-cache-27.json`` with DATA an ``outrider data default`` folder.
+--json benchmarks/results/cache/h200-cache_bench.json`` with DATA an ``outrider data default`` folder.
 On a CPU, tiny: ``--examples 12 --steps 3 --max-length 96 --quant-examples 4``.
 """
 

@@ -16,12 +16,11 @@ import json
 from pathlib import Path
 
 import torch
+from cuda_timing import median_ms  # benchmarks/cuda_timing.py, next to this script
 
 from outrider.fsutil import atomic_write_json
 from outrider.train import soft_ce
 from outrider.train.ttt import fused_soft_cross_entropy, soft_cross_entropy
-
-from cuda_timing import median_ms  # benchmarks/cuda_timing.py, next to this script
 
 
 def main() -> None:

@@ -51,9 +51,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from outrider.fsutil import atomic_write_json  # noqa: E402
-
 from cuda_timing import median_ms  # noqa: E402 (benchmarks/cuda_timing.py, next to this script)
+
+from outrider.fsutil import atomic_write_json  # noqa: E402
 
 KIMI_QUANT = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
