@@ -239,8 +239,9 @@ def cpu_explanation(eagle: dict[str, Any], bench_path: Path) -> list[str]:
     best = max((p for p in result.predictions if p.method == "eagle3"), key=lambda p: p.speedup, default=None)
     if best is not None:
         lines.append(f"The planner predicts {best.speedup:.2f}x at batch 1 on one H200 for this head's acceptance "
-                     f"(k = {best.k}; `outrider plan default --hardware h200 --acceptance {bench_path}`). The GPU "
-                     "demo trains a better head; its measured speed-ups are in the README's results table.")
+                     f"(k = {best.k}; `outrider plan default --hardware h200 --acceptance {bench_path}`). On a CUDA "
+                     "machine `outrider demo` trains a better head on 10,000 exchanges and measures its speed-ups "
+                     "(benchmarks/RESULTS.md).")
     return lines
 
 

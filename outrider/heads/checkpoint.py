@@ -429,20 +429,19 @@ def _to_our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # Loading
 # --------------------------------------------------------------------------------------------
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def weight_source(path: Path) -> list[Path] | dict[str, torch.Tensor] | None:
+    """Where a head folder's weights are: its safetensors files (one, or those its index names),
+    the state dict of its ``pytorch_model.bin`` (``torch.load(weights_only=True)``), or None."""
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    elif index.exists():
+        return [path / "model.safetensors"]
+    if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            return [path / f for f in sorted(set(weight_map.values()))]
+        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read {index}: {e}") from None
-        files = [path / f for f in sorted(set(weight_map.values()))]
-    elif (path / "pytorch_model.bin").exists():
+    if (path / "pytorch_model.bin").exists():
         try:
             state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as e:
@@ -450,8 +449,18 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(state, dict):
             raise UserError(f"{path / 'pytorch_model.bin'} does not hold a state dict")
         return state
-    else:
+    return None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = weight_source(path)
+    if files is None:
         raise UserError(f"{path} has no model.safetensors (or pytorch_model.bin): no head weights to load")
+    if isinstance(files, dict):
+        return files
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

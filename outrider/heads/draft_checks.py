@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import HeadSpec, expected_shapes
+from outrider.heads.checkpoint import HeadSpec, expected_shapes, weight_source
 from outrider.heads.eagle3 import Eagle3Config
 from outrider.heads.engines import (
     DRAFT_ARCH,
@@ -35,7 +35,7 @@ from outrider.heads.engines import (
     option_issues,
     serves_last_layer,
 )
-from outrider.models import ArchInfo, read_json_object
+from outrider.models import ArchInfo
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 LABEL = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -218,23 +218,13 @@ def option_checks(spec: HeadSpec) -> list[Check]:
 
 def _read_small_tensors(path: Path, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """(the named tensors, all tensor shapes) of a head folder, reading only what is needed."""
-    import torch
     from safetensors import SafetensorError, safe_open
 
-    files: list[Path]
-    if (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").exists():
-        weight_map = read_json_object(path / "model.safetensors.index.json").get("weight_map") or {}
-        files = [path / f for f in sorted(set(weight_map.values()))]
-    elif (path / "pytorch_model.bin").exists():
-        try:
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError) as e:
-            raise UserError(f"cannot read {path / 'pytorch_model.bin'}: {str(e).splitlines()[0]}") from None
-        return {k: state[k] for k in names if k in state}, {k: tuple(v.shape) for k, v in state.items()}
-    else:
+    files = weight_source(path)
+    if files is None:
         return {}, {}
+    if isinstance(files, dict):  # a pytorch_model.bin
+        return {k: files[k] for k in names if k in files}, {k: tuple(v.shape) for k, v in files.items()}
     tensors: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
