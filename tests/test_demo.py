@@ -28,7 +28,11 @@ def test_cpu_explanation_states_the_measured_ratios_and_a_gpu_prediction(tmp_pat
     path = tmp_path / "bench.json"
     path.write_text(json.dumps([rec]))
     text = "\n".join(cpu_explanation(rec, path))
-    assert "costs 2.5x a plain decoding step" in text and "another 1.5x" in text
+    assert "costs 2.50x a plain decoding step" in text and "another 1.50x" in text
+    assert "it would need more than 4.00 to pay" in text  # tau 1.26 against 2.5 + 1.5
+    rec.update(tau=1.25, verify_step_ms=1.1, draft_step_ms=0.1, speedup_vs_ar=1.03)
+    text = "\n".join(cpu_explanation(rec, path))
+    assert "just above the 1.20 it needs to pay, hence 1.03x" in text
     assert "The planner predicts" in text and "H200" in text
 
 
