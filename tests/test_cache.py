@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from killing import kill_training_after
 from safetensors.torch import load_file
 from test_trainer import _conversations
 from tiny import save_tiny
@@ -167,18 +168,7 @@ def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
             "train(sys.argv[1], None, sys.argv[2], config=TrainConfig.load(sys.argv[3]), progress=False, "
             "cache=sys.argv[4])")
     cfg_path = cfg.save(tmp_path / "cfg.json")
-    proc = subprocess.Popen([sys.executable, "-c", code, target, str(out), str(cfg_path), cache],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = out / "last" / "trainer_state.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if state.exists() and json.loads(state.read_text())["step"] >= 2:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    killed_at = json.loads(state.read_text())["step"]
+    killed_at = kill_training_after(code, [target, str(out), str(cfg_path), cache], out)
     assert 2 <= killed_at < cfg.steps
     report = train(target, None, str(out), resume=True, progress=False, cache=cache)
     assert report.resumed_from == killed_at and report.steps == ref.steps

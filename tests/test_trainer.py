@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from killing import kill_training_after
 from safetensors.torch import load_file
 from tiny import make_tiny, save_tiny, tiny_tokenizer
 
@@ -286,18 +282,7 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
     cfg_path = CFG.replace(save_every=1).save(tmp_path / "cfg.json")
     code = ("import sys; from outrider.train.trainer import train; "
             "train(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False)")
-    proc = subprocess.Popen([sys.executable, "-c", code, env["target"], env["data"], str(out), str(cfg_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = out / "last" / "trainer_state.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if state.exists() and json.loads(state.read_text())["step"] >= 2:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    killed_at = json.loads(state.read_text())["step"]
+    killed_at = kill_training_after(code, [env["target"], env["data"], str(out), str(cfg_path)], out)
     assert 2 <= killed_at < 12
     report = train(env["target"], env["data"], str(out), resume=True, progress=False)
     assert report.resumed_from == killed_at and report.steps == 12
