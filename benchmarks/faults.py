@@ -39,10 +39,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from outrider.outputs import LOCK, wait_for_writer
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-LOCK = ".outrider-lock"
 INJECT = """import errno, importlib, importlib.util, os, sys
 where, how = sys.argv[1], sys.argv[2]
 parts = where.split(".")
@@ -318,12 +319,7 @@ def run_case(case: Case, w: dict[str, Path], scratch: Path, rng: random.Random) 
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if case.signal is not None:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            lock = out / LOCK
-            if lock.exists() and lock.read_text().strip() == str(proc.pid):
-                break
-            time.sleep(0.02)
+        wait_for_writer(out, proc)
         time.sleep(rng.uniform(0, 1.5))
         if proc.poll() is None:
             proc.send_signal(case.signal)

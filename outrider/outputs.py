@@ -29,6 +29,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +164,18 @@ def _lock(folder: Path, flag: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def wait_for_writer(folder: str | os.PathLike, proc: Any, timeout_s: float = 120.0) -> bool:
+    """For tools that drive outrider: wait until the process ``proc`` (a ``subprocess.Popen``) holds
+    the lock of ``folder``; False if it ended or the time ran out first."""
+    lock = Path(folder) / LOCK
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if lock.exists() and lock.read_text().strip() == str(proc.pid):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def inspect_dir(path: str | os.PathLike, kind: str, flag: str = "--out",

@@ -25,7 +25,7 @@ from tiny import save_tiny
 
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
-from outrider.outputs import LOCK, MARKER, claim_dir
+from outrider.outputs import LOCK, MARKER, claim_dir, wait_for_writer
 
 CFG = TrainConfig(steps=6, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=2,
                   draft_vocab_size=40, eval_every=3, save_every=1, eval_examples=4, log_every=1,
@@ -361,12 +361,7 @@ def _start_and_signal(argv: list[str], out: Path, sig: int, rng: random.Random, 
     """Start the verb, wait until it holds its output's lock (or a moment for file outputs), then
     send ``sig`` after a random delay; return the finished process and its stderr."""
     proc = subprocess.Popen(CLI + argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        lock = out / LOCK
-        if lock.exists() and lock.read_text().strip() == str(proc.pid):
-            break
-        time.sleep(0.02)
+    wait_for_writer(out, proc)
     time.sleep(rng.uniform(0, max_delay))
     if proc.poll() is None:
         proc.send_signal(sig)
