@@ -5,11 +5,12 @@ One run, three parts (``--parts``, default all):
 - ``quant``: on ``--quant-examples`` examples, the error of fp8 storage with one scale per token row and
   state against one per block of ``--blocks`` values: relative RMS error of the aux states, and of the
   teacher (KL from the bf16-free teacher, argmax agreement) over a 32k draft vocabulary of the data;
-  bytes per token of each scheme (formula and stored);
-- ``capture``: ``outrider capture`` of the data in bf16 and fp8: tokens/s, bytes/token, MB;
-- ``train``: the same config (``--steps`` optimizer steps, no time budget) trained online, from the
-  bf16 cache and from the fp8 cache: tokens/s and MFU (from the trainer's report), the walked tau
-  at ``tau_k`` of the final evaluation, losses.
+  the same for teachers stored as their ``--topk`` largest logits; bytes per token of each scheme;
+- ``capture``: ``outrider capture`` of the data in bf16, fp8 and fp8 with the first ``--topk`` teacher:
+  tokens/s, bytes/token, MB;
+- ``train``: the same config (``--steps`` optimizer steps, no time budget) trained online and from
+  each cache: tokens/s and MFU (from the trainer's report), the walked tau at ``tau_k`` of the final
+  evaluation, losses.
 Prints the figures and writes a JSON record (hardware, date, commit, command) to ``--json``.
 
 On an H200 (about 5 minutes: three compilations of the head dominate): ``python benchmarks/cache_bench.py --data DATA --work /tmp/cb
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from outrider.config import TrainConfig
-from outrider.train.cache import dequantize, quantize, teacher_rows
+from outrider.train.cache import dequantize, quantize, teacher_rows, topk_teacher
 from outrider.train.cache_capture import capture_cache
 from outrider.train.datasets import load_dataset, read_manifest, write_dataset
 from outrider.train.trainer import train
@@ -54,7 +55,7 @@ def _subset(data: str, out: Path, examples: int, eval_examples: int) -> str:
 
 
 @torch.no_grad()
-def quant_part(data: str, n: int, blocks: list[int], device: str) -> dict:
+def quant_part(data: str, n: int, blocks: list[int], device: str, topks: list[int] = ()) -> dict:
     from outrider.models import load_model
     from outrider.train.capture import ModelSource
     from outrider.train.vocab import build_draft_vocab
@@ -87,6 +88,23 @@ def quant_part(data: str, n: int, blocks: list[int], device: str) -> dict:
         }
     out["bf16_final"] = {**_teacher_error(finals, finals.to(torch.bfloat16).float(), w),
                          "bytes_per_token": 6 * H + f * 2 * H + 5}
+    full = model.get_output_embeddings().weight.float()  # [V, H]
+    draft_index = torch.full((V,), -1, dtype=torch.long, device=full.device)
+    draft_index[vocab.draft_ids.to(full.device)] = torch.arange(len(vocab.draft_ids), device=full.device)
+    for k in topks:  # fp8 aux states, the teacher as its top-k logits (cache.encode, cache.topk_teacher)
+        kl, agree = [], []
+        for i in range(0, finals.shape[0], 512):
+            logits = finals[i:i + 512] @ full.t()  # [rows, V]
+            values, ids = logits.topk(k, -1)
+            q = torch.log_softmax(topk_teacher(ids, values.to(torch.bfloat16), torch.logsumexp(logits, -1),
+                                               draft_index, V, torch.float32), -1)
+            p = torch.log_softmax(finals[i:i + 512] @ w.t(), -1)
+            kl.append((p.exp() * (p - q)).sum(-1))
+            agree.append(p.argmax(-1) == q.argmax(-1))
+        kls = torch.cat(kl)
+        out["schemes"][f"top{k}"] = {"teacher_kl_mean": float(kls.mean()), "teacher_kl_p99": float(kls.quantile(0.99)),
+                                     "teacher_argmax_agree": float(torch.cat(agree).float().mean()),
+                                     "bytes_per_token": 3 * H + 3 * 4 + f * (6 * k + 4) + 5}
     out["loss_row_fraction"] = f
     out["bf16_four_state_bytes"] = 8 * H
     return out
@@ -106,19 +124,21 @@ def _teacher_error(final: torch.Tensor, approx: torch.Tensor, w: torch.Tensor, r
             "teacher_argmax_agree": float(torch.cat(agree).float().mean())}
 
 
-def capture_part(data: str, work: Path, device: str) -> dict:
+def capture_part(data: str, work: Path, device: str, topk: int = 0) -> dict:
     out = {}
-    for dtype in ("bf16", "fp8"):
-        path = work / f"cache-{dtype}"
+    for name in ("bf16", "fp8") + ((f"fp8-top{topk}",) if topk else ()):
+        dtype = name.split("-")[0]
+        path = work / f"cache-{name}"
         if path.exists():
             shutil.rmtree(path)
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        r = capture_cache("default", data, str(path), dtype=dtype, device=device, progress=False)
+        r = capture_cache("default", data, str(path), dtype=dtype, device=device, progress=False,
+                          teacher_topk=topk if name.endswith(f"top{topk}") else 0)
         wall = time.perf_counter() - t
         four = 8 * json.loads((path / "header.json").read_text())["target"]["hidden_size"]  # bf16 x 4 states
-        out[dtype] = {"tokens": r.tokens, "bytes": r.bytes, "bytes_per_token": round(r.bytes_per_token, 1),
+        out[name] = {"tokens": r.tokens, "bytes": r.bytes, "bytes_per_token": round(r.bytes_per_token, 1),
                       "share_of_bf16_four_states": round(r.bytes_per_token / four, 4),
                       "tokens_per_s": round(r.tokens_per_s, 1), "wall_s": round(wall, 2), "shards": r.shards,
                       "path": str(path)}
@@ -159,6 +179,8 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=256)
     ap.add_argument("--quant-examples", type=int, default=64)
     ap.add_argument("--blocks", default="64,32", help="fp8 block sizes compared with one scale per row")
+    ap.add_argument("--topk", default="16,32,64", help="top-k teachers measured (the first is also captured and "
+                    "trained on: capture --teacher-topk)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of each training run")
     ap.add_argument("--max-length", type=int, default=None, help="override the preset's max_length")
     ap.add_argument("--config", default=None, help="JSON of training settings over the device's preset")
@@ -176,6 +198,7 @@ def main() -> None:
     if a.max_length:
         cfg = cfg.replace(max_length=a.max_length)
     parts = a.parts.split(",")
+    topks = [int(k) for k in a.topk.split(",") if k]
     record = {"benchmark": "cache_bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([sys.executable] + sys.argv),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -184,16 +207,18 @@ def main() -> None:
                            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
               "config": cfg.to_dict(), "examples": a.examples}
     if "quant" in parts:
-        record["quant"] = quant_part(data, a.quant_examples, [int(b) for b in a.blocks.split(",") if b], device)
+        record["quant"] = quant_part(data, a.quant_examples, [int(b) for b in a.blocks.split(",") if b], device,
+                                     topks)
         print(json.dumps(record["quant"], indent=2))
     if "capture" in parts:
-        record["capture"] = capture_part(data, work, device)
+        record["capture"] = capture_part(data, work, device, topks[0] if topks else 0)
         print(json.dumps(record["capture"], indent=2))
     if "train" in parts:
-        record["train"] = train_part(data, work, cfg, device, ["online", "bf16", "fp8"])
+        variants = ["online", "bf16", "fp8"] + ([f"fp8-top{topks[0]}"] if topks else [])
+        record["train"] = train_part(data, work, cfg, device, variants)
         t = record["train"]
         record["cache_speedup_tokens_per_s"] = {k: round(t[k]["tokens_per_s"] / t["online"]["tokens_per_s"], 2)
-                                                for k in ("bf16", "fp8")}
+                                                for k in variants[1:]}
         print(json.dumps(record["train"], indent=2))
         print("speedup of the cache path (tokens/s):", record["cache_speedup_tokens_per_s"])
     if a.json:

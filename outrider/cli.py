@@ -146,7 +146,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
         report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
                                max_tokens_per_shard=a.max_tokens_per_shard, device=a.device,
                                progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
-                               source=streamed_source(a.target, a.aux_layers, a))
+                               source=streamed_source(a.target, a.aux_layers, a), teacher_topk=a.teacher_topk)
     print(report.summary())
     return 0
 
@@ -346,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="aux layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
     sp.add_argument("--max-tokens-per-shard", type=POSITIVE, default=None,
                     help="default: about 1 GiB of states per shard")
+    sp.add_argument("--teacher-topk", type=NONNEGATIVE, default=0, metavar="K",
+                    help="store the target's K largest logits (and their logsumexp) at each learned position "
+                         "instead of its final state: 6K + 4 bytes a row in place of H (fp8) or 2H; 0: the state")
     sp.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     sp.add_argument("--quiet", action="store_true")
     placement(sp)

@@ -158,6 +158,55 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
     assert head["eagle_aux_hidden_state_layer_ids"] == list(AUX)  # the cache's ids
 
 
+def test_topk_teacher_keeps_the_k_logits_and_spreads_the_rest_evenly():
+    torch.manual_seed(0)
+    V, M = 50, 6
+    logits = torch.randn(M, V) * 3  # the target's, over its vocabulary
+    draft_ids = torch.tensor(sorted(torch.randperm(V)[:20].tolist()))
+    draft_index = torch.full((V,), -1, dtype=torch.long)
+    draft_index[draft_ids] = torch.arange(20)
+    exact = logits[:, draft_ids]  # the teacher a final state gives: the draft rows' logits
+    lse = torch.logsumexp(logits, -1)
+    values, ids = logits.topk(V, -1)
+    whole = cache_mod.topk_teacher(ids, values, lse, draft_index, V, torch.float32)
+    assert torch.equal(whole, exact)  # K = vocabulary: the same logits, nothing spread
+    values, ids = logits.topk(8, -1)
+    part = cache_mod.topk_teacher(ids, values, lse, draft_index, V, torch.float32)
+    kept = draft_index[ids] >= 0
+    rows = torch.nonzero(kept, as_tuple=True)[0]
+    assert torch.equal(part[rows, draft_index[ids][kept]], values[kept])  # the k logits as they were
+    p = torch.softmax(logits, -1)
+    rest = 1 - p.gather(1, ids).sum(-1)  # the tail's mass, shared evenly by the other V - 8 tokens
+    others = torch.ones(M, V, dtype=torch.bool).scatter_(1, ids, False)[:, draft_ids]  # [M, 20]
+    spread = torch.exp(part - lse[:, None])[others]
+    assert torch.allclose(spread, (rest[:, None] / (V - 8)).expand(M, 20)[others], rtol=1e-5)
+
+
+def test_a_topk_cache_is_smaller_and_with_the_whole_vocabulary_trains_as_online(env, monkeypatch):
+    target, data = env["llama"]
+    root = env["root"]
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    whole = _capture(env, "llama", "float32", name="c-topk-all", teacher_topk=vocab)
+    st = OutriderCache(whole).read("train", 0)
+    assert st.final is None and st.teacher_ids.shape == (st.rows.numel(), vocab)
+    assert json.loads((Path(whole) / "header.json").read_text())["teacher"]["kind"] == "topk"
+    online = root / "online-llama"
+    if not (online / "metrics.jsonl").exists():
+        train(target, data, str(online), config=CFG.replace(aux_layer_ids=AUX), progress=False)
+    monkeypatch.setattr("outrider.models.load_model", lambda *a, **k: pytest.fail("built the target"))
+    train(target, None, str(root / "cached-topk-all"), config=CFG, progress=False, cache=whole)
+    assert np.allclose(_losses(online), _losses(root / "cached-topk-all"), rtol=1e-5, atol=0)
+    small = _capture(env, "llama", "fp8", name="c-topk-8", teacher_topk=8)
+    full = _capture(env, "llama", "fp8")
+    sizes = [json.loads((Path(c) / "manifest.json").read_text()) for c in (small, full)]
+    rows = sum(e["final_rows"] for e in sizes[1]["shards"])
+    # fp8 final states: H + 4 bytes a teacher row; top-8: 8 x (4 + 2) + 4 (the files' headers aside)
+    saved = sizes[1]["bytes"] - sizes[0]["bytes"]
+    assert abs(saved - rows * ((64 + 4) - (6 * 8 + 4))) < 1024 * len(sizes[0]["shards"])
+    report = train(target, None, str(root / "cached-topk-8"), config=CFG, progress=False, cache=small)
+    assert report.steps == CFG.steps and all(np.isfinite(_losses(root / "cached-topk-8")))
+
+
 def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
     target, _ = env["llama"]
     cache = _capture(env, "llama", "fp8")

@@ -57,6 +57,9 @@ AUX_SEMANTICS = ("id j = the hidden state entering decoder layer j = Hugging Fac
                  "(0 = the embeddings)")
 FINAL_SEMANTICS = ("the last decoder state after the final norm, at the teacher rows only: positions t whose "
                    "next token is learned (loss_mask[t+1] = 1)")
+TOPK_SEMANTICS = ("at the teacher rows, the target's k largest logits over its whole vocabulary (teacher_ids, "
+                  "teacher_logits) and the logsumexp of all its logits (teacher_lse), instead of the final state; "
+                  "training keeps those k and spreads the remaining probability evenly over the other tokens")
 DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 SHARD_BYTES = 1 << 30  # the default shard size, in bytes of stored states
@@ -100,23 +103,61 @@ class Stored:
 
     aux: torch.Tensor  # [len, n_aux, H] stored dtype
     aux_scale: torch.Tensor | None  # [len, n_aux, H/block] float32 (float8 only)
-    final: torch.Tensor  # [M, H] stored dtype: the final states at ``rows``
+    final: torch.Tensor | None  # [M, H] stored dtype: the final states at ``rows`` (None: a top-k teacher)
     final_scale: torch.Tensor | None  # [M, H/block] float32 (float8 only)
-    rows: torch.Tensor  # [M] int64 positions of the final rows
+    rows: torch.Tensor  # [M] int64 positions of the teacher rows
+    teacher_ids: torch.Tensor | None = None  # [M, K] int32: the target's K most likely next tokens
+    teacher_logits: torch.Tensor | None = None  # [M, K] their logits (bf16; float32 in a float32 cache)
+    teacher_lse: torch.Tensor | None = None  # [M] float32: logsumexp of all the target's logits
+
+    def host(self) -> "Stored":
+        """The same, every tensor on the CPU."""
+        return Stored(**{k: v if v is None else v.cpu() for k, v in vars(self).items()})
 
 
 def encode(aux: torch.Tensor, final: torch.Tensor, loss_mask: np.ndarray, n_aux: int, dtype: str,
-           block: int) -> Stored:
+           block: int, teacher: Any = None, topk: int = 0) -> Stored:
     """A source's states of one example -> what the cache stores (on the states' device).
 
-    aux: [len, n_aux*H]; final: [len, H] after the final norm; loss_mask: [len]."""
+    aux: [len, n_aux*H]; final: [len, H] after the final norm; loss_mask: [len]. With ``topk`` K > 0
+    the teacher rows keep, instead of the final state, the target's K largest logits over its whole
+    vocabulary (``teacher``: the full lm_head, a ``TeacherHead``) and the logsumexp of all of them."""
     rows = torch.from_numpy(teacher_rows(loss_mask))
     aux = aux.reshape(aux.shape[0], n_aux, -1)  # [len, n_aux, H]
     final = final.index_select(0, rows.to(final.device))  # [M, H]
+    qa, sa = quantize(aux, block) if dtype == "fp8" else (aux.to(DTYPES[dtype]), None)
+    if topk:
+        logits = teacher(final.to(teacher.weight.dtype)).float()  # [M, vocab]
+        values, ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # [M, K]
+        values = values.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+        return Stored(qa, sa, None, None, rows, ids.to(torch.int32), values, torch.logsumexp(logits, -1))
     if dtype == "fp8":
-        (qa, sa), (qf, sf) = quantize(aux, block), quantize(final, block)
+        qf, sf = quantize(final, block)
         return Stored(qa, sa, qf, sf, rows)
-    return Stored(aux.to(DTYPES[dtype]), None, final.to(DTYPES[dtype]), None, rows)
+    return Stored(qa, None, final.to(DTYPES[dtype]), None, rows)
+
+
+def topk_teacher(ids: torch.Tensor, values: torch.Tensor, lse: torch.Tensor, draft_index: torch.Tensor,
+                 vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Teacher logits over the draft vocabulary from a top-k record.
+
+    ids, values: [M, K] (target ids, their logits); lse: [M] logsumexp over the target's vocabulary;
+    draft_index: [vocab] int64, a target id's place in the draft vocabulary or -1. The K tokens keep
+    their logits; the rest share the remaining probability evenly (each ``lse + log(rest / (vocab - K))``),
+    so that a softmax over the draft vocabulary is the target's, its tail flattened. -> [M, draft_vocab]."""
+    M, K = ids.shape
+    draft_vocab = int((draft_index >= 0).sum())
+    values = values.float()
+    if K < vocab_size:
+        rest = (1.0 - torch.exp(values - lse[:, None]).sum(-1)).clamp_min(1e-12)  # [M] the tail's mass
+        tail = lse + torch.log(rest / (vocab_size - K))  # [M]
+    else:
+        tail = torch.full_like(lse, -1e4)  # no tail: every token is among the K
+    out = tail[:, None].expand(M, draft_vocab).clone()  # [M, draft_vocab]
+    place = draft_index[ids.long()]  # [M, K] -1 where the token is not drafted
+    keep = place >= 0
+    out[torch.nonzero(keep, as_tuple=True)[0], place[keep]] = values[keep]
+    return out.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,11 +266,10 @@ class CacheWriter:
             "input_ids": torch.from_numpy(np.concatenate([e.input_ids for e in examples]).astype(np.int32)),
             "loss_mask": torch.from_numpy(np.concatenate([e.loss_mask for e in examples]).astype(np.uint8)),
             "aux": torch.cat([e.stored.aux for e in examples]).contiguous(),
-            "final": torch.cat([e.stored.final for e in examples]).contiguous(),
         }
-        if examples[0].stored.aux_scale is not None:
-            tensors["aux_scale"] = torch.cat([e.stored.aux_scale for e in examples]).contiguous()
-            tensors["final_scale"] = torch.cat([e.stored.final_scale for e in examples]).contiguous()
+        for name in ("final", "aux_scale", "final_scale", "teacher_ids", "teacher_logits", "teacher_lse"):
+            if getattr(examples[0].stored, name) is not None:
+                tensors[name] = torch.cat([getattr(e.stored, name) for e in examples]).contiguous()
         lengths = [len(e.input_ids) for e in examples]
         finals = [int(e.stored.rows.numel()) for e in examples]
         columns = {"split": [e.split for e in examples], "index": [int(e.index) for e in examples],
@@ -270,14 +310,15 @@ def tokens_sha256(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str:
 def _entry(blob: bytes, k: int, columns: dict[str, list], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A shard's manifest entry: its bytes, checksums, counts and example columns with byte offsets."""
     offsets = _tensor_offsets(blob)
-    aux, final = tensors["aux"], tensors["final"]
+    per_row = "final" if "final" in tensors else "teacher_logits"  # a teacher row's first stored tensor
+    aux, final = tensors["aux"], tensors[per_row]
     aux_row = aux[0].numel() * aux.element_size() if aux.shape[0] else 0
     final_row = final.shape[1] * final.element_size()
     return {"index": k, "file": shard_name(k), "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
             "tokens_sha256": tokens_sha256(tensors["input_ids"], tensors["loss_mask"]),
             "tokens": int(tensors["input_ids"].numel()), "final_rows": int(final.shape[0]),
             "examples": {**columns, "aux_offset": [offsets["aux"] + r * aux_row for r in columns["row"]],
-                         "final_offset": [offsets["final"] + r * final_row for r in columns["final_row"]]}}
+                         "final_offset": [offsets[per_row] + r * final_row for r in columns["final_row"]]}}
 
 
 def _adopt(path: Path, k: int) -> dict[str, Any] | None:
@@ -337,6 +378,8 @@ class OutriderCache:
         self.hidden_size = int(self.header["target"]["hidden_size"])
         self.aux_layer_ids = tuple(int(j) for j in self.header["aux_layer_ids"])
         self.n_aux = len(self.aux_layer_ids)
+        teacher = self.header.get("teacher") or {"kind": "final"}
+        self.topk = int(teacher.get("k", 0)) if teacher.get("kind") == "topk" else 0  # 0: final states stored
         self.where: dict[tuple[str, int], tuple[int, int]] = {}  # (split, index) -> (shard, place in it)
         for s, entry in enumerate(shards):
             for j, (split, index) in enumerate(zip(entry["examples"]["split"], entry["examples"]["index"])):
@@ -408,6 +451,10 @@ class OutriderCache:
         rows = torch.from_numpy(teacher_rows(mask))
         m = int(rows.numel())
         fp8 = self.header["dtype"] == "fp8"
-        return Stored(aux=f.get_slice("aux")[row:row + n], final=f.get_slice("final")[frow:frow + m], rows=rows,
-                      aux_scale=f.get_slice("aux_scale")[row:row + n] if fp8 else None,
+        aux, aux_scale = f.get_slice("aux")[row:row + n], f.get_slice("aux_scale")[row:row + n] if fp8 else None
+        if self.topk:
+            return Stored(aux, aux_scale, None, None, rows, teacher_ids=f.get_slice("teacher_ids")[frow:frow + m],
+                          teacher_logits=f.get_slice("teacher_logits")[frow:frow + m],
+                          teacher_lse=f.get_slice("teacher_lse")[frow:frow + m])
+        return Stored(aux=aux, final=f.get_slice("final")[frow:frow + m], rows=rows, aux_scale=aux_scale,
                       final_scale=f.get_slice("final_scale")[frow:frow + m] if fp8 else None)

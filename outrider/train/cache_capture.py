@@ -55,7 +55,7 @@ from outrider.models import (
 )
 from outrider.progress import Bar
 from outrider.train import cache
-from outrider.train.capture import ModelSource
+from outrider.train.capture import ModelSource, TeacherHead
 from outrider.train.datasets import consecutive_groups, load_split, read_manifest
 from outrider.train.target_weights import TargetWeights
 
@@ -113,7 +113,8 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
                   max_tokens_per_shard: int | None = None, device: str | torch.device | None = None,
                   model_dtype: str | torch.dtype | None = None, block: int | None = None,
                   batch_tokens: int | None = None, progress: bool = True, source: Any = None,
-                  device_map: str | dict | None = None, offload_folder: str | None = None) -> CaptureReport:
+                  device_map: str | dict | None = None, offload_folder: str | None = None,
+                  teacher_topk: int = 0) -> CaptureReport:
     """Capture ``data`` (a token dataset folder) through ``target`` into the cache folder ``out``.
 
     dtype:       stored values: ``bf16``, ``fp8`` (float8_e4m3fn with float32 scales) or ``float32``
@@ -122,6 +123,8 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
                  tokens per forward: 32768 on CUDA, 4096 elsewhere)
     source:      a hidden-state source (see the module docstring) instead of loading the target
     device_map, offload_folder: place the loaded target through accelerate (``outrider.models.load_model``)
+    teacher_topk: K > 0 stores, at the teacher rows, the target's K largest logits (and their logsumexp)
+                 instead of the final state (``cache.encode``); 0 stores the final state
     """
     if dtype not in cache.DTYPES:
         raise UserError(f"unknown cache dtype '{dtype}': use one of {', '.join(cache.DTYPES)}")
@@ -135,6 +138,9 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
     block = H if block is None else int(block)
     if dtype == "fp8" and (block < 1 or H % block):
         raise UserError(f"the fp8 block {block} must divide the hidden size {H}")
+    if not 0 <= int(teacher_topk) <= info.vocab_size:
+        raise UserError(f"--teacher-topk must be in 0..{info.vocab_size} (the target's vocabulary), got {teacher_topk}")
+    teacher_topk = int(teacher_topk)
     manifest = read_manifest(data)
     splits = {s: load_split(data, s, required=(s == "train")) for s in ("train", "eval")}
     splits = {s: ds for s, ds in splits.items() if ds is not None}
@@ -153,6 +159,8 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
         "format": cache.FORMAT, "version": cache.VERSION,
         "target": target_identity(target, cfg, manifest["tokenizer"]),
         "aux_layer_ids": ids, "aux_semantics": cache.AUX_SEMANTICS, "final": cache.FINAL_SEMANTICS,
+        "teacher": ({"kind": "topk", "k": teacher_topk, "rule": cache.TOPK_SEMANTICS} if teacher_topk
+                    else {"kind": "final"}),
         "dtype": dtype,
         "scaling": ({"scheme": "float8_e4m3fn", "block": block, "scale_dtype": "float32",
                      "rule": "x = q * scale, scale = max|x| / 448 over each block of values"}
@@ -174,13 +182,15 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
         if tuple(source.aux_layer_ids) != tuple(ids) or int(source.hidden_size) != H:
             raise ValueError(f"the source gives aux ids {source.aux_layer_ids} of width {source.hidden_size}, "
                              f"the capture wants {ids} of {H}")
+        teacher = _FullTeacher(target) if teacher_topk else None
         # shard k+1 is captured while shard k is written (one writer thread, at most one shard waiting)
         fields = "{tps} tok/s {bpt} B/token"
         with source, Bar(progress, "capture", total, completed=done_tokens, fields=fields) as bar, \
                 ThreadPoolExecutor(max_workers=1) as pool:
             pending, new_bytes, new_tokens = None, 0, 0
             for k in todo:
-                shard = _capture_shard([examples[i] for i in plan[k]], splits, source, dtype, block, len(ids), H)
+                shard = _capture_shard([examples[i] for i in plan[k]], splits, source, dtype, block, len(ids), H,
+                                       teacher, teacher_topk)
                 if pending is not None:
                     entry = pending.result()
                     new_bytes, new_tokens = new_bytes + entry["bytes"], new_tokens + entry["tokens"]
@@ -215,8 +225,29 @@ def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any
     return ModelSource(model, ids, batch_tokens or (32768 if cuda else 4096))
 
 
+class _FullTeacher:
+    """The target's whole ``lm_head`` (bias and soft-capping included) for top-k teachers, read once
+    from its safetensors and copied to each device the states arrive on."""
+
+    def __init__(self, target: str):
+        weights = TargetWeights(target)
+        vocab = int(arch_info(weights.config).vocab_size)
+        everything = torch.arange(vocab)
+        self.head = TeacherHead(weights.lm_head_rows(everything), weights.lm_head_bias(everything),
+                                weights.config.get("final_logit_softcapping"))
+        self._on: dict[torch.device, TeacherHead] = {}
+
+    def on(self, device: torch.device) -> TeacherHead:
+        if device not in self._on:
+            h = self.head
+            self._on[device] = TeacherHead(h.weight.to(device), None if h.bias is None else h.bias.to(device),
+                                           h.softcap)
+        return self._on[device]
+
+
 def _capture_shard(rows: list[tuple[str, int]], splits: dict[str, Any], source: Any, dtype: str, block: int,
-                   n_aux: int, hidden: int) -> list[cache.Example]:
+                   n_aux: int, hidden: int, teacher: _FullTeacher | None = None, topk: int = 0
+                   ) -> list[cache.Example]:
     """A shard's examples run through the source, pass by pass, and encoded for storage (on the host)."""
     out: list[cache.Example] = []
     start = 0
@@ -235,9 +266,8 @@ def _capture_shard(rows: list[tuple[str, int]], splits: dict[str, Any], source: 
             if aux.shape != (len(seq), n_aux * hidden) or final.shape[0] != len(seq):
                 raise ValueError(f"the source's states of a {len(seq)}-token sequence have shapes "
                                  f"{tuple(aux.shape)} and {tuple(final.shape)}")
-            stored = cache.encode(aux, final, splits[s].loss_mask[i], n_aux, dtype, block)
-            stored = cache.Stored(*(t if t is None else t.cpu() for t in (stored.aux, stored.aux_scale, stored.final,
-                                                                         stored.final_scale)), stored.rows)
+            head = teacher.on(final.device) if teacher is not None else None
+            stored = cache.encode(aux, final, splits[s].loss_mask[i], n_aux, dtype, block, head, topk).host()
             out.append(cache.Example(s, i, splits[s].conv_ids[i], splits[s].input_ids[i], splits[s].loss_mask[i],
                                      stored))
         start = end

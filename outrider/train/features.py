@@ -44,7 +44,7 @@ from outrider.models import (
     resident_weight,
 )
 from outrider.train import flops, peers
-from outrider.train.cache import OutriderCache, dequantize
+from outrider.train.cache import OutriderCache, dequantize, topk_teacher
 from outrider.train.cache_capture import target_identity
 from outrider.train.capture import Captured, TargetCapture, TeacherHead
 from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
@@ -220,6 +220,12 @@ class CachedTarget:
 
     def feature_source(self, aux_layer_ids: Sequence[int], vocab: Any, cfg: Any) -> "CachedFeatures":
         ids = vocab.draft_ids
+        if getattr(self.reader, "topk", 0):  # the teacher comes stored: no lm_head rows needed
+            vocab_size = int(arch_info(self.config).vocab_size)
+            draft_index = torch.full((vocab_size,), -1, dtype=torch.long)
+            draft_index[ids] = torch.arange(len(ids))
+            return CachedFeatures(self.reader, self.index, None, None, self.device, self.dtype,
+                                  topk=(draft_index.to(self.device), vocab_size))
         bias = self.weights.lm_head_bias(ids)
         teacher = TeacherHead(self.weights.lm_head_rows(ids).to(self.device, self.dtype),
                               None if bias is None else bias.to(self.device, self.dtype),
@@ -231,10 +237,12 @@ class CachedTarget:
 class CachedFeatures(contextlib.AbstractContextManager):
     """A training batch's aux states and teacher, read from a cache (host) and finished on the device."""
 
-    def __init__(self, reader: Any, index: list[tuple[str, int]], teacher: TeacherHead,
-                 norm: torch.nn.Module | None, device: torch.device, dtype: torch.dtype):
+    def __init__(self, reader: Any, index: list[tuple[str, int]], teacher: TeacherHead | None,
+                 norm: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
+                 topk: tuple[torch.Tensor, int] | None = None):
+        # topk: (draft index [vocab] of each target id or -1, vocab size) for a cache of top-k teachers
         self.reader, self.index, self.teacher, self.norm = reader, index, teacher, norm
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.topk = device, dtype, topk
         self.notes: list[str] = []
 
     @torch.no_grad()
@@ -247,31 +255,42 @@ class CachedFeatures(contextlib.AbstractContextManager):
         pin = self.device.type == "cuda"  # filled in place in page-locked memory, copied behind the device's work
         aux = torch.zeros(B, S, n, H, dtype=torch.uint8 if raw else first.aux.dtype, pin_memory=pin)  # as stored
         scale = None if first.aux_scale is None else torch.zeros(B, S, n, first.aux_scale.shape[-1], pin_memory=pin)
-        finals, fscales, flat = [], [], []
+        finals, fscales, flat, tops = [], [], [], []
         for b, st in enumerate(stored):
             L = min(st.aux.shape[0], S)
             aux[b, :L] = st.aux[:L].view(torch.uint8) if raw else st.aux[:L]
             if scale is not None:
                 scale[b, :L] = st.aux_scale[:L]
             keep = st.rows < S
-            finals.append(st.final[keep].view(torch.uint8) if raw else st.final[keep])
+            if self.topk is not None:
+                tops.append((st.teacher_ids[keep], st.teacher_logits[keep], st.teacher_lse[keep]))
+            else:
+                finals.append(st.final[keep].view(torch.uint8) if raw else st.final[keep])
             if st.final_scale is not None:
                 fscales.append(st.final_scale[keep])
             flat.append(b * S + st.rows[keep])
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else to_device(t, self.device, True)
 
-        aux_d, scale_d = move(aux), move(scale)
-        final_d, flat_d = move(torch.cat(finals)), move(torch.cat(flat))
-        fscale_d = move(torch.cat(fscales)) if fscales else None
+        aux_d, scale_d, flat_d = move(aux), move(scale), move(torch.cat(flat))
         if raw:
-            aux_d, final_d = aux_d.view(torch.float8_e4m3fn), final_d.view(torch.float8_e4m3fn)
+            aux_d = aux_d.view(torch.float8_e4m3fn)
         aux_out = dequantize(aux_d, scale_d, self.dtype).reshape(B, S, n * H)  # [B, S, n_aux*H]
-        final = dequantize(final_d, fscale_d, self.dtype)  # [M, H]
-        if self.norm is not None:
-            final = self.norm(final)
-        teacher = torch.zeros(B * S, self.teacher.weight.shape[0], dtype=self.dtype, device=self.device)
-        teacher.index_copy_(0, flat_d, self.teacher(final))
+        if self.topk is not None:  # [M, draft_vocab] from the stored top-k logits
+            draft_index, vocab_size = self.topk
+            ids, values, lse = (move(torch.cat(parts)) for parts in zip(*tops))
+            rows = topk_teacher(ids, values, lse, draft_index, vocab_size, self.dtype)
+        else:
+            final_d = move(torch.cat(finals))
+            fscale_d = move(torch.cat(fscales)) if fscales else None
+            if raw:
+                final_d = final_d.view(torch.float8_e4m3fn)
+            final = dequantize(final_d, fscale_d, self.dtype)  # [M, H]
+            if self.norm is not None:
+                final = self.norm(final)
+            rows = self.teacher(final)  # [M, draft_vocab]
+        teacher = torch.zeros(B * S, rows.shape[-1], dtype=self.dtype, device=self.device)
+        teacher.index_copy_(0, flat_d, rows)
         return Captured(aux=aux_out, teacher=teacher.view(B, S, -1))
 
     def __exit__(self, *exc) -> None:
