@@ -37,7 +37,7 @@ from outrider.errors import UserError
 from outrider.models import load_tokenizer
 from outrider.train import cache, flops
 from outrider.train.capture import TeacherHead
-from outrider.train.datasets import Batch, BatchCursor, load_split
+from outrider.train.datasets import Batch, BatchCursor, consecutive_groups, load_split
 from outrider.train.features import CachedFeatures, CacheSplit
 from outrider.train.stream import StreamedTarget
 from outrider.train.target_weights import TargetWeights
@@ -68,16 +68,7 @@ class PassCursor:
 
     def passes(self, epoch: int, tokens: int, lengths: np.ndarray) -> list[list[int]]:
         """The epoch's batches (numbers) cut greedily into passes of at most ``tokens`` tokens."""
-        out: list[list[int]] = []
-        size = 0
-        for b, rows in enumerate(self.cursor.epoch_plan(epoch)):
-            n = int(lengths[rows].sum())
-            if not out or size + n > tokens:
-                out.append([])
-                size = 0
-            out[-1].append(b)
-            size += n
-        return out
+        return consecutive_groups([int(lengths[rows].sum()) for rows in self.cursor.epoch_plan(epoch)], tokens)
 
 
 class _PassStore:
