@@ -26,9 +26,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.(tmp|old)$")  # what mkstemp/mkdtemp below produce
-
 from outrider.errors import UserError
+
+TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.(tmp|old)$")  # what mkstemp/mkdtemp below produce
 
 
 def _umask_mode(path: str | os.PathLike, base: int = 0o666) -> None:

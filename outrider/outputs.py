@@ -178,6 +178,14 @@ def wait_for_writer(folder: str | os.PathLike, proc: Any, timeout_s: float = 120
     return False
 
 
+def _existing_parent(resolved: Path, path: Any, flag: str) -> Path:
+    """The nearest existing folder above an output path; one line when that is a file."""
+    parent = next(q for q in resolved.parents if q.exists())  # the root always exists
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path} lies under {parent}, which is a file, not a folder")
+    return parent
+
+
 def inspect_dir(path: str | os.PathLike, kind: str, flag: str = "--out",
                 inputs: Iterable[str | os.PathLike | None] = ()) -> tuple[Path, list[str]]:
     """The checks of ``claim_dir`` that need no lock: (absolute path, what it holds now)."""
@@ -188,11 +196,7 @@ def inspect_dir(path: str | os.PathLike, kind: str, flag: str = "--out",
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {path} is a file, not a folder: give a folder path (new, or an earlier "
                         f"{KINDS[kind]} output)")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {path} lies under {parent}, which is a file, not a folder")
-            break
+    _existing_parent(out, path, flag)
     _check_inputs(out, inputs, flag)
     existing = _contents(out) if out.is_dir() else []
     if existing:
@@ -243,14 +247,10 @@ def check_file(path: str | os.PathLike | None, kind: str, flag: str = "--json") 
     what, recognised = FILE_KINDS[kind]
     if p.is_dir():
         raise UserError(f"{flag} {path} is a folder: give a file name")
-    for parent in p.resolve().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {path} lies under {parent}, which is a file, not a folder")
-            if not os.access(parent, os.W_OK):
-                raise UserError(f"{flag} {path} cannot be written: {parent} is read-only or not writable for you; "
-                                "choose another path")
-            break
+    parent = _existing_parent(p.resolve(), path, flag)
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} {path} cannot be written: {parent} is read-only or not writable for you; "
+                        "choose another path")
     if p.is_file() and p.stat().st_size > 0 and not recognised(p):
         raise UserError(f"{flag} {path} exists and is not an earlier {what} output: choose another file name "
                         "(outrider never overwrites other files)")
