@@ -62,6 +62,7 @@ TOPK_SEMANTICS = ("at the teacher rows, the target's k largest logits over its w
                   "training keeps those k and spreads the remaining probability evenly over the other tokens")
 DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+TOPK_ROWS = 256  # teacher rows whose full-vocabulary logits a top-k capture holds at once
 SHARD_BYTES = 1 << 30  # the default shard size, in bytes of stored states
 
 
@@ -127,10 +128,14 @@ def encode(aux: torch.Tensor, final: torch.Tensor, loss_mask: np.ndarray, n_aux:
     final = final.index_select(0, rows.to(final.device))  # [M, H]
     qa, sa = quantize(aux, block) if dtype == "fp8" else (aux.to(DTYPES[dtype]), None)
     if topk:
-        logits = teacher(final.to(teacher.weight.dtype)).float()  # [M, vocab]
-        values, ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # [M, K]
+        parts = []
+        for chunk in final.split(TOPK_ROWS):  # [<= TOPK_ROWS, H]: a few rows of full-vocabulary logits at a time
+            logits = teacher(chunk.to(teacher.weight.dtype)).float()  # [rows, vocab]
+            values, ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # [rows, K]
+            parts.append((ids, values, torch.logsumexp(logits, -1)))
+        ids, values, lse = (torch.cat(p) for p in zip(*parts))  # split() yields one chunk even for no rows
         values = values.to(torch.float32 if dtype == "float32" else torch.bfloat16)
-        return Stored(qa, sa, None, None, rows, ids.to(torch.int32), values, torch.logsumexp(logits, -1))
+        return Stored(qa, sa, None, None, rows, ids.to(torch.int32), values, lse)
     if dtype == "fp8":
         qf, sf = quantize(final, block)
         return Stored(qa, sa, qf, sf, rows)

@@ -213,7 +213,8 @@ class CachedTarget:
         return None  # a cache carries no decoder layer
 
     def flops_per_token(self, extra: int) -> float:
-        return 2.0 * extra  # the teacher's projection only: no forward of the target
+        # the teacher's projection only (none when the cache stores top-k logits): no forward of the target
+        return 0.0 if getattr(self.reader, "topk", 0) else 2.0 * extra
 
     def attention_flops(self, pairs: int) -> float:
         return 0.0
