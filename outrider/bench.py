@@ -45,7 +45,7 @@ from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.ngram import NgramProposer
 from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
-from outrider.fsutil import write_json_output
+from outrider.fsutil import read_text, write_json_output
 from outrider.models import load_model
 from outrider.progress import Bar
 
@@ -103,11 +103,7 @@ def _prompt_file(path: Path) -> list[str]:
     """Prompt texts of a .txt file (one per line) or a JSON list of strings; conversation records,
     JSON objects and JSONL records are refused (their Python repr would be benchmarked)."""
     require(path.is_file(), f"prompt file not found: {path}" if not path.exists() else f"{path} is not a file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text: give a .txt file (one prompt per line) or a JSON list of "
-                        "strings") from None
+    raw = read_text(path, "a .txt file, one prompt per line, or a JSON list of strings")
     if path.suffix == ".json" or raw.lstrip().startswith(("[", "{")):
         try:
             data = json.loads(raw)

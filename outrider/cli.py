@@ -1,7 +1,7 @@
 """The ``outrider`` command line: argument parsing only; every verb calls the Python API.
 
 Contract: a user error (``UserError``, a bad flag or a value out of its stated range, an OS
-error a user can fix: ``cliargs.USER_ERRNOS``) prints one line and exits with status 2; Ctrl-C
+error a user can fix: ``fsutil.USER_ERRNOS``) prints one line and exits with status 2; Ctrl-C
 prints one line and exits with status 130; ``inspect`` exits 1 when the pair cannot be served;
 everything else exits 0. No traceback is shown for user errors. Every output is claimed before
 the verb starts (``outrider.outputs``): a folder only when new, empty or an earlier output of the
@@ -30,12 +30,12 @@ from outrider.cliargs import (
     device,
     dtype,
     int_list,
-    os_error_line,
     output_of,
     stderr_line,
     user_os_error,
 )
 from outrider.errors import UserError
+from outrider.fsutil import os_error_line
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
 

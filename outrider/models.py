@@ -35,6 +35,7 @@ import torch
 
 from outrider import assets
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 
 DEFAULT_ALIAS = "default"
 
@@ -186,8 +187,8 @@ def load_config_dict(spec: str | Path) -> dict[str, Any]:
 
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cfg = json.loads(read_text(path / "config.json"))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path / 'config.json'} is not a model config (a JSON object), it is a {type(cfg).__name__}")
@@ -467,8 +468,8 @@ def _token_text(value: Any) -> str | None:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(path))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a JSON object")

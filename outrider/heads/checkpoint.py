@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
 from outrider.heads.engines import (
     DRAFT_ARCH,
@@ -326,8 +327,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not config.exists():
         raise UserError(f"{path} has no config.json: not a draft checkpoint folder")
     try:
-        return json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(read_text(config))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {config}: {e}") from None
 
 

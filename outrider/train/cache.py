@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_path, atomic_write_json, atomic_write_text
+from outrider.fsutil import atomic_path, atomic_write_json, atomic_write_text, read_text
 
 FORMAT = "outrider-hidden-cache"
 VERSION = 1
@@ -171,8 +171,8 @@ def topk_teacher(ids: torch.Tensor, values: torch.Tensor, lse: torch.Tensor, dra
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(path))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read the {what} {path}: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a JSON object: not an outrider cache {what}")
