@@ -109,6 +109,21 @@ def int_list(lo: int, hi: int | None = None, what: str = "integers"):
     return parse
 
 
+def names_of(allowed: tuple[str, ...]):
+    """An argparse type: comma-separated names from ``allowed`` (or ``all``)."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed and n != "all"]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)} or all, "
+                                             f"got '{text}'")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
 def batch_values(lo: float, hi: float | None = None):
     """An argparse type: 'VALUE' (batch 1) or 'BATCH:VALUE,...' with batches >= 1 and values in range."""
     value_type = FloatRange(lo, hi, open_lo=hi is None)
