@@ -103,8 +103,10 @@ def data_identity(folder: str | Path) -> tuple[str, str | None]:
 
 
 def identity(data: str | None, cache: str | None, stream: dict[str, Any] | None, dtype: Any,
-             aux_layer_ids: Sequence[int] | None, target_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
-    """What, besides the config, makes this run's result (see the module docstring)."""
+             aux_layer_ids: Sequence[int] | None, target_config: Any, config: TrainConfig) -> dict[str, Any]:
+    """What, besides the config, makes this run's result (see the module docstring); ``target_config``:
+    a ``transformers`` config or its dict."""
+    target_config = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
     digest, template = data_identity(cache or data)
     source: Any = "cache" if cache else ("stream " + json.dumps(stream, sort_keys=True, default=str)
                                          if stream is not None else "online")

@@ -62,8 +62,6 @@ from outrider.train.stream_train import StreamedOnline
 from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
-# --------------------------------------------------------------------------------------------
-# The trainer
 
 
 def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
@@ -78,18 +76,15 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
 
     preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
     config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
-    init:          a head folder (any format ``outrider.export.load_head`` reads) or an earlier
-                   run's ``out`` to fine-tune; its vocabulary must be the one the data gives
+    init:          a head folder (any format ``load_head`` reads) or an earlier run's ``out`` to fine-tune
     resume:        continue the run in ``out/last`` exactly where it stopped
     max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
     aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
     cache:         a hidden-state cache (ours, SpecForge's or speculators'), instead of ``data``
-    device_map:    place the target through accelerate (``outrider.models.parse_device_map``: several
-                   GPUs, CPU and disk offload into ``offload_folder``); the head stays on ``device``
-    stream:        stream the target layer by layer instead of loading it (``StreamedTarget``'s
-                   options: ``gpu_memory``, ``tokens_per_pass``, ``packing``): each pass of upcoming
-                   examples is captured, then trained on (``outrider.train.stream_train``)
+    device_map:    place the target through accelerate (``models.parse_device_map``, offload into
+                   ``offload_folder``); the head stays on ``device``
+    stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
     allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.resume.NAMES``)
     signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
     """
@@ -130,15 +125,12 @@ class _Trainer:
         self.out = Path(out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
         self.metrics_path = self.out / "metrics.jsonl"
-        self.progress = progress and env.is_main
-        self.notes: list[str] = []
+        self.progress, self.notes = progress and env.is_main, []
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
         self._open_target(data, cache, dtype, loaded_target, placement, stream)
-        target_cfg = self.target.config
         self.identity = same_run.identity(data, cache, stream, parse_dtype(dtype, self.env.device),
-                                          self.config.aux_layer_ids, getattr(target_cfg, "to_dict", lambda: target_cfg)(),
-                                          self.config)
+                                          self.config.aux_layer_ids, self.target.config, self.config)
         self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, allow_change) \
             if self.resume_state is not None else {}
         self._build_head(init)
