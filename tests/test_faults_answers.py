@@ -254,3 +254,86 @@ def test_resume_of_the_same_run_says_what_was_resumed(w, stopped, tmp_path, caps
     err = capsys.readouterr().err
     assert f"resumed {run} at step 5 of {CFG.steps}: data " in err and "dtype float32" in err
     assert _head(run) == _head(w["run"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Values inside inputs
+
+
+def _damaged_head(w, tmp_path: Path, how: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    head = tmp_path / f"head-{how}"
+    shutil.copytree(w["run"] / "head", head)
+    tensors = load_file(head / "model.safetensors")
+    if how == "nan":
+        name = next(k for k in sorted(tensors) if k.endswith("fc.weight"))
+        tensors[name][0, 0] = float("nan")
+    else:
+        tensors["d2t"][0] = 10 ** 6
+    save_file(tensors, head / "model.safetensors", metadata={"format": "pt"})
+    return head
+
+
+@pytest.mark.parametrize("how, tensor", [("nan", "fc.weight"), ("d2t", "d2t")])
+def test_a_damaged_head_is_not_servable_and_bench_and_export_refuse_it(w, tmp_path, capsys, how, tensor):
+    head = _damaged_head(w, tmp_path, how)
+    report = tmp_path / "inspect.json"
+    assert cli_main(["inspect", str(w["target"]), "--draft", str(head), "--json", str(report)]) == 1
+    checks = json.loads(report.read_text())
+    assert checks["servable"] is False
+    assert any(c["status"] == "fail" and c["name"] == ("finite weights" if how == "nan" else "d2t")
+               for c in checks["checks"])
+    capsys.readouterr()
+    for argv in (["bench", str(w["target"]), "--method", "eagle3", "--draft", str(head), "--k", "2",
+                  "--max-new-tokens", "4", "--num-prompts", "1"],
+                 ["export", str(head), "--format", "sglang", "--out", str(tmp_path / "e")]):
+        assert cli_main(argv) == 2, argv[0]
+        line = _one_line(capsys.readouterr().err, contains=f"tensor {tensor}")
+        assert "model.safetensors" in line and "reload" not in line  # the head is blamed, not the export
+    assert not (tmp_path / "e").exists()
+
+
+def test_token_ids_outside_the_vocabulary_in_a_dataset_are_refused_naming_the_shard(w, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(w["data"], data)
+    shard = sorted(data.glob("train-*.parquet"))[0]
+    table = pq.read_table(shard)
+    rows = table.column("input_ids").to_pylist()
+    rows[0][3] = 10 ** 6
+    table = table.set_column(table.schema.get_field_index("input_ids"), "input_ids",
+                             pa.array(rows, type=table.schema.field("input_ids").type))
+    pq.write_table(table, shard)
+    argv = _train(w, tmp_path / "r")
+    argv[argv.index("--data") + 1] = str(data)
+    assert cli_main(argv) == 2
+    line = _one_line(capsys.readouterr().err, contains="input_ids")
+    assert shard.name in line and "outside the vocabulary" in line and "1000000" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_nan_states_in_a_cache_shard_that_passes_its_checksum_are_refused(w, tmp_path, capsys):
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    cache = tmp_path / "cache"
+    assert cli_main(["capture", str(w["target"]), "--data", str(w["data"]), "--out", str(cache), "--dtype",
+                     "float32", "--aux-layers", "1,2,3", "--quiet", "--device", "cpu"]) == 0
+    shard = sorted(cache.glob("shard-*"))[0]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["aux"][0, 0] = float("inf")
+    blob = save(tensors, metadata=meta)
+    shard.write_bytes(blob)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = hashlib.sha256(blob).hexdigest()  # the checksum passes
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert cli_main(["train", str(w["target"]), "--cache", str(cache), "--out", str(tmp_path / "r"), "--config",
+                     str(w["cfg"]), "--quiet", "--device", "cpu"]) == 2
+    line = _one_line(capsys.readouterr().err, contains="tensor aux")
+    assert shard.name in line and "non-finite" in line
