@@ -103,7 +103,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
-          graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet)
+          graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet,
+          max_prompt_tokens=a.max_prompt_tokens)
     return 0
 
 
@@ -278,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", type=POSITIVE, default=1)
     sp.add_argument("--prompts", default="sharegpt",
                     help="'sharegpt' (held-out split), a .txt file (one prompt per line) or a JSON list of strings")
+    sp.add_argument("--max-prompt-tokens", type=POSITIVE, default=512, metavar="N",
+                    help="a prompt longer than N tokens in the chat template keeps the template's start and end "
+                         "around the last tokens of its text (default 512); counted as truncated_prompts")
     sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     sp.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                     help="do not replay steps as CUDA graphs (they are used on CUDA by default)")

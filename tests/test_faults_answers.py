@@ -337,3 +337,40 @@ def test_nan_states_in_a_cache_shard_that_passes_its_checksum_are_refused(w, tmp
                      str(w["cfg"]), "--quiet", "--device", "cpu"]) == 2
     line = _one_line(capsys.readouterr().err, contains="tensor aux")
     assert shard.name in line and "non-finite" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Nothing shortened in silence
+
+
+def test_fit_prompt_keeps_the_template_start_and_end_and_says_it_cut(w):
+    from outrider.bench import _render, fit_prompt
+    from outrider.models import load_tokenizer
+
+    tok = load_tokenizer(w["target"])
+    short, long = "w5 w6", " ".join(f"w{5 + i % 40}" for i in range(60))
+    bare, full = _render(tok, ""), _render(tok, short)
+    prefix = next(i for i, (a, b) in enumerate(zip(bare, full)) if a != b)
+    suffix = len(bare) - prefix
+    ids, cut = fit_prompt(tok, long, 20)
+    assert cut and len(ids) <= 20 and ids[:prefix] == bare[:prefix] and ids[-suffix:] == bare[-suffix:]
+    assert ids[prefix:-suffix] == _render(tok, long)[-(suffix + len(ids) - prefix - suffix):-suffix]  # the text's end
+    assert fit_prompt(tok, short, 20) == (full, False)
+
+
+def test_bench_counts_truncated_prompts_and_fewer_prompts_than_asked(w, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w5 w6 w7\n" + " ".join(f"w{5 + i % 40}" for i in range(60)) + "\n")
+    out = tmp_path / "b.json"
+    assert cli_main(["bench", str(w["target"]), "--method", "ngram", "--k", "2", "--max-new-tokens", "4",
+                     "--num-prompts", "5", "--prompts", str(prompts), "--max-prompt-tokens", "24", "--json",
+                     str(out), "--quiet"]) == 0
+    shown = capsys.readouterr().out
+    record = json.loads(out.read_text())[0]
+    assert (record["num_prompts"], record["num_prompts_asked"], record["truncated_prompts"]) == (2, 5, 1)
+    assert record["max_prompt_tokens"] == 24
+    assert "--num-prompts 5, but" in shown and "ran 2" in shown
+    assert "1 of 2 prompts truncated to 24 tokens" in " ".join(shown.split())
+    assert cli_main(["bench", str(w["target"]), "--method", "ngram", "--k", "2", "--max-new-tokens", "4",
+                     "--prompts", str(prompts), "--max-prompt-tokens", "2"]) == 2
+    _one_line(capsys.readouterr().err, contains="shorter than the chat template alone")
