@@ -374,3 +374,30 @@ def test_bench_counts_truncated_prompts_and_fewer_prompts_than_asked(w, tmp_path
     assert cli_main(["bench", str(w["target"]), "--method", "ngram", "--k", "2", "--max-new-tokens", "4",
                      "--prompts", str(prompts), "--max-prompt-tokens", "2"]) == 2
     _one_line(capsys.readouterr().err, contains="shorter than the chat template alone")
+
+
+def test_turns_a_server_refuses_are_counted_told_and_asked_again(tmp_path, capsys):
+    from test_openai_client import REJECT_WORD, TinyServer, conversations
+    from tiny import make_tiny, tiny_tokenizer
+
+    from outrider.train.datasets import read_manifest
+
+    target = str(save_tiny("llama", tmp_path / "target", seed=0))
+    records = conversations(6)
+    turns = [t for t in records[2]["conversations"] if t["from"] == "human"]  # k = 2: three turns
+    turns[1]["value"] = f"w11 {REJECT_WORD}"  # the second turn is refused: the conversation is cut short
+    src = tmp_path / "convs.json"
+    src.write_text(json.dumps(records))
+    argv = ["data", target, "--dataset", str(src), "--out", str(tmp_path / "d"), "--regenerate", "--max-new-tokens",
+            "4", "--eval-fraction", "0", "--quiet"]
+    with TinyServer(make_tiny("llama", 0), tiny_tokenizer()) as srv:
+        assert cli_main(argv + ["--server", srv.url]) == 0
+        first = len(srv.chat_requests)
+        out = " ".join(capsys.readouterr().out.split())
+        regen = read_manifest(tmp_path / "d")["regenerate"]
+        assert regen["truncated_by_server"] == 1 and regen["server_refusal"].startswith("HTTP 400")
+        assert "prompt too long" in out and "1 conversation(s) cut short" in out
+        assert cli_main(argv + ["--server", srv.url]) == 0  # the refused one is asked again, the rest cached
+        assert len(srv.chat_requests) - first == 1  # its first turn, answered again; the others from the cache
+        assert cli_main(argv + ["--server", srv.url, "--server-model", "other"]) == 2
+    _one_line(capsys.readouterr().err, contains="fix --server-model")
