@@ -5,8 +5,8 @@ line (no traceback), and that nothing written before was lost."""
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from damage import cache_with_inf, dataset_with_id, head_with
 from test_faults import CLI, _digest, _one_line
 from test_trainer import _conversations
 from tiny import save_tiny
@@ -72,6 +73,8 @@ def fifo(tmp_path):
     ["inspect", "{target}", "--json", "{proc}/i.json"],
     ["export", "{run}/head", "--format", "vllm", "--out", "{proc}/e"],
     ["data", "{target}", "--dataset", "{convs}", "--out", "{proc}/d", "--quiet"],
+    ["train", "{target}", "--data", "{data}", "--out", "{proc}/r", "--quiet"],
+    ["capture", "{target}", "--data", "{data}", "--out", "{proc}/c", "--quiet"],
     ["plan", "default", "--hardware", "h100", "--json", "{fifo}"],
     ["inspect", "{target}", "--json", "{fifo}"],
     ["bench", "{target}", "--method", "ngram", "--k", "2", "--max-new-tokens", "4", "--json", "{fifo}"],
@@ -260,24 +263,9 @@ def test_resume_of_the_same_run_says_what_was_resumed(w, stopped, tmp_path, caps
 # 2. Values inside inputs
 
 
-def _damaged_head(w, tmp_path: Path, how: str) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    head = tmp_path / f"head-{how}"
-    shutil.copytree(w["run"] / "head", head)
-    tensors = load_file(head / "model.safetensors")
-    if how == "nan":
-        name = next(k for k in sorted(tensors) if k.endswith("fc.weight"))
-        tensors[name][0, 0] = float("nan")
-    else:
-        tensors["d2t"][0] = 10 ** 6
-    save_file(tensors, head / "model.safetensors", metadata={"format": "pt"})
-    return head
-
-
 @pytest.mark.parametrize("how, tensor", [("nan", "fc.weight"), ("d2t", "d2t")])
 def test_a_damaged_head_is_not_servable_and_bench_and_export_refuse_it(w, tmp_path, capsys, how, tensor):
-    head = _damaged_head(w, tmp_path, how)
+    head = head_with(w["run"] / "head", tmp_path / f"head-{how}", how)
     report = tmp_path / "inspect.json"
     assert cli_main(["inspect", str(w["target"]), "--draft", str(head), "--json", str(report)]) == 1
     checks = json.loads(report.read_text())
@@ -295,18 +283,8 @@ def test_a_damaged_head_is_not_servable_and_bench_and_export_refuse_it(w, tmp_pa
 
 
 def test_token_ids_outside_the_vocabulary_in_a_dataset_are_refused_naming_the_shard(w, tmp_path, capsys):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     data = tmp_path / "data"
-    shutil.copytree(w["data"], data)
-    shard = sorted(data.glob("train-*.parquet"))[0]
-    table = pq.read_table(shard)
-    rows = table.column("input_ids").to_pylist()
-    rows[0][3] = 10 ** 6
-    table = table.set_column(table.schema.get_field_index("input_ids"), "input_ids",
-                             pa.array(rows, type=table.schema.field("input_ids").type))
-    pq.write_table(table, shard)
+    shard = dataset_with_id(w["data"], data)
     argv = _train(w, tmp_path / "r")
     argv[argv.index("--data") + 1] = str(data)
     assert cli_main(argv) == 2
@@ -316,23 +294,10 @@ def test_token_ids_outside_the_vocabulary_in_a_dataset_are_refused_naming_the_sh
 
 
 def test_nan_states_in_a_cache_shard_that_passes_its_checksum_are_refused(w, tmp_path, capsys):
-    import hashlib
-
-    from safetensors import safe_open
-    from safetensors.torch import save
-
     cache = tmp_path / "cache"
-    assert cli_main(["capture", str(w["target"]), "--data", str(w["data"]), "--out", str(cache), "--dtype",
+    assert cli_main(["capture", str(w["target"]), "--data", str(w["data"]), "--out", str(tmp_path / "good"), "--dtype",
                      "float32", "--aux-layers", "1,2,3", "--quiet", "--device", "cpu"]) == 0
-    shard = sorted(cache.glob("shard-*"))[0]
-    with safe_open(str(shard), framework="pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    tensors["aux"][0, 0] = float("inf")
-    blob = save(tensors, metadata=meta)
-    shard.write_bytes(blob)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][0]["sha256"] = hashlib.sha256(blob).hexdigest()  # the checksum passes
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    shard = cache_with_inf(tmp_path / "good", cache)
     assert cli_main(["train", str(w["target"]), "--cache", str(cache), "--out", str(tmp_path / "r"), "--config",
                      str(w["cfg"]), "--quiet", "--device", "cpu"]) == 2
     line = _one_line(capsys.readouterr().err, contains="tensor aux")
@@ -401,3 +366,26 @@ def test_turns_a_server_refuses_are_counted_told_and_asked_again(tmp_path, capsy
         assert len(srv.chat_requests) - first == 1  # its first turn, answered again; the others from the cache
         assert cli_main(argv + ["--server", srv.url, "--server-model", "other"]) == 2
     _one_line(capsys.readouterr().err, contains="fix --server-model")
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Plans that cannot run
+
+
+@pytest.mark.parametrize("target, argv, kv_token", [
+    ("kimi-k2.5", ["--hardware", "h200", "--tp", "8", "--context", "32768"], (512 + 64) * 61 * 2),  # MLA latent
+    ("default", ["--hardware", "h100", "--context", "8192"], 2 * 3 * 64 * 30 * 2),  # GQA: 3 KV heads of 64
+])
+def test_plan_rows_that_do_not_fit_memory_say_so_and_are_not_recommended(tmp_path, capsys, target, argv, kv_token):
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", target, *argv, "--batch", "1,100000", "--k", "2,3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    small, huge = [r for r in rows if r["batch"] == 1], [r for r in rows if r["batch"] == 100000]
+    assert small and huge and all(r["fits_memory"] for r in small) and not any(r["fits_memory"] for r in huge)
+    tokens = int(argv[argv.index("--context") + 1]) + 128
+    assert huge[0]["memory_gb_per_gpu"] - small[0]["memory_gb_per_gpu"] == pytest.approx(
+        (100000 - 1) * tokens * kv_token / 1e9, rel=1e-3)
+    assert small[0]["memory_gb_per_gpu"] > 0  # the weights
+    text = " ".join(capsys.readouterr().out.split())
+    assert "batch 100000: does not fit" in text and f"{kv_token / 1e3:,.1f} kB/token/GPU" in text
+    assert "does not fit" not in text.split("Recommendation")[1].split("batch 100000")[0]  # batch 1 is recommended

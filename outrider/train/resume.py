@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
 
-NAMES = ("data", "template", "source", "dtype", "aux_layers", "target", "loss")
+NAMES = ("source", "data", "template", "dtype", "aux_layers", "target", "loss")  # the first difference is named
 LOSS_KEYS = ("ttt_steps", "step_decay", "loss_kernel", "amp", "max_length", "draft_vocab_size")
 _HELP = {"data": "the training data's content", "template": "the chat template the data was rendered with",
          "source": "where the target's states come from (online, a cache, streamed)", "dtype": "the dtype",
