@@ -129,6 +129,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     if a.force and a.resume:
         raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.allow_change and not a.resume:
+        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
     if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock

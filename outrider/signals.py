@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -46,6 +47,8 @@ class Signals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may install handlers; elsewhere Python's own behaviour stays
         for s in HANDLED:
             self._previous[s] = signal.signal(s, self._handle)
         return self

@@ -241,6 +241,8 @@ def test_resume_refuses_a_changed_run_naming_what_changed(w, stopped, tmp_path, 
 def test_resume_with_an_allowed_change_is_logged(w, stopped, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
+    assert cli_main(_train(w, run, "--allow-change", "data")) == 2  # it means nothing without --resume
+    _one_line(capsys.readouterr().err, contains="give it with --resume")
     assert cli_main(_train(w, run, "--resume", "--allow-change", "data", "--max-steps", "6", data="data2")) == 0
     assert "changed on purpose (--allow-change): data" in capsys.readouterr().err
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -309,17 +311,22 @@ def test_nan_states_in_a_cache_shard_that_passes_its_checksum_are_refused(w, tmp
 
 
 def test_fit_prompt_keeps_the_template_start_and_end_and_says_it_cut(w):
-    from outrider.bench import _render, fit_prompt
+    from outrider.bench import fit_prompt
     from outrider.models import load_tokenizer
 
     tok = load_tokenizer(w["target"])
+
+    def whole(text: str) -> list[int]:  # the prompt in the template, never cut
+        return fit_prompt(tok, text, 10 ** 9)[0]
+
     short, long = "w5 w6", " ".join(f"w{5 + i % 40}" for i in range(60))
-    bare, full = _render(tok, ""), _render(tok, short)
+    bare, full = whole(""), whole(short)
     prefix = next(i for i, (a, b) in enumerate(zip(bare, full)) if a != b)
     suffix = len(bare) - prefix
     ids, cut = fit_prompt(tok, long, 20)
     assert cut and len(ids) <= 20 and ids[:prefix] == bare[:prefix] and ids[-suffix:] == bare[-suffix:]
-    assert ids[prefix:-suffix] == _render(tok, long)[-(suffix + len(ids) - prefix - suffix):-suffix]  # the text's end
+    body = ids[prefix:-suffix]
+    assert body and body == whole(long)[-suffix - len(body):-suffix]  # the end of the text
     assert fit_prompt(tok, short, 20) == (full, False)
 
 

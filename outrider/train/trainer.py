@@ -63,7 +63,6 @@ from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_ac
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
 
-
 def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
           init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
           dtype: str | torch.dtype | None = None, max_steps: int | None = None,
