@@ -245,7 +245,7 @@ def parse_device_map(text: str | dict | None) -> str | dict | None:
         if not path.is_file():
             raise UserError(f"--device-map '{text}' is neither {', '.join(DEVICE_MAP_NAMES)}, a JSON object nor a "
                             "JSON file")
-        source = path.read_text()
+        source = read_text(path)
     try:
         mapping = json.loads(source)
     except json.JSONDecodeError as e:

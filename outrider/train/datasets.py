@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir
+from outrider.fsutil import atomic_dir, read_text
 from outrider.outputs import OWN_FILES
 from outrider.train.template import vocab_identity
 from outrider.values import check_ids
@@ -83,7 +83,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise UserError(f"{d} is not an outrider token dataset (no manifest.json): build one with `outrider data`")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_text(path))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
