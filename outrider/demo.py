@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.bench import bench, print_table
+from outrider.bench import bench, print_table, verdict_cell
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.sampling import SamplingParams, derived_seed
@@ -197,7 +197,8 @@ def ar_record(paired: dict[str, Any]) -> dict[str, Any]:
     """The plain decoding row, from the AR passes measured beside a method (``paired``): its speed
     and step costs, none of the method's own figures."""
     own = {"decode_speedup_vs_ar", "speedup_per_pass", "propose_step_ms", "prompt_draft_ms", "prefill_ms", "step_ms",
-           "draft", "tau_per_batch", "row_steps_per_batch", "greedy_agreement"}
+           "draft", "tau_per_batch", "row_steps_per_batch", "greedy_agreement", "verdict", "near_ties",
+           "largest_margin", "near_tie_bound", "first_mismatch"}
     ar = {key: value for key, value in paired.items() if key not in own}
     ar.update(method="ar", k=0, tau=1.0, accept_rate_per_pos=[], tokens_per_s=paired["ar_tokens_per_s"],
               speedup_vs_ar=1.0, decode_speedup_vs_ar=1.0, speedup_per_pass=[1.0], lossless=True,
@@ -212,11 +213,12 @@ def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float]
              "| method | k | tau | tokens/s | speedup vs AR (end to end) | decode speedup | lossless |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
-        lossless = "-" if r.get("lossless") is None else ("yes" if r["lossless"] else "NO")
+        lossless = verdict_cell(r)
         decode = r.get("decode_speedup_vs_ar", r["speedup_vs_ar"])
         lines.append(f"| {r['method']} | {r['k']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_ar']:.2f}x | {decode:.2f}x | {lossless} |")
     dev = records[0].get("device", "?")
+    lines += [""] + [f"lossless, {r['method']} k = {r['k']}: {r['verdict']}" for r in records if r.get("verdict")]
     lines += ["", f"device: {dev}, dtype {records[0].get('dtype', '?')}, commit {records[0].get('git_commit') or '-'}",
               "stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), export_note, ""]
     if dev == "cpu":
