@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements RESULTS.md reports, as parts of one background job on the staged machine
-# (after stage.sh 1 and 2). Parts, in order of value: demo (`outrider demo` from a bare start,
+# (after stage.sh 1 and 2, from the copy of the tree that stage.sh 2 made in /tmp/tree: each device
+# call replaces the working tree it ran in). Parts, in order of value: demo (`outrider demo` from a bare start,
 # ~20 min), bench (the demo's head at k = 5 as typed and with --no-compile), batches (planner vs
 # engine at batch 1/4/16/64), cache (cache_bench), mla (mla_check), stream (stream_bench), shape
 # (shape_change). Each part writes its results into $RES and a `PART.done` marker before the next
@@ -23,6 +24,9 @@ stage() {  # stage NAME COMMAND...: timed, logged, never stops the job
   echo "$(date +%T) end $name rc $? $(( $(date +%s) - t0 )) s" >> $RES/status
 }
 
+part_smoke() {  # not in the default chain: a minute that shows the staged machine benches at all
+  stage smoke outrider bench default --method ngram --k 3 --num-prompts 2 --max-new-tokens 16 --json $RES/smoke.json
+}
 part_demo() {
   stage demo outrider demo --out $DEMO
   cp $DEMO/summary.md $DEMO/bench.json $RES/ 2>/dev/null
