@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from outrider.decode.runner import cache_kwarg
+from outrider.models import cache_parameter
 
 TOP = 8  # tokens per position whose logits bound the rounding (the ones an argmax decides between)
 STEPS = 16  # one-token steps per text in the bound's second shape
@@ -81,7 +81,7 @@ def _device(model: torch.nn.Module) -> torch.device:
 def _forward(model: torch.nn.Module, ids: list[int], cache: DynamicCache) -> torch.Tensor:
     """Logits [n, vocab] (float32) of ``ids`` after what ``cache`` holds; the cache grows in place."""
     x = torch.tensor([ids], device=_device(model))  # [1, n]
-    return model(input_ids=x, use_cache=True, **{cache_kwarg(model): cache}).logits[0].float()
+    return model(input_ids=x, use_cache=True, **{cache_parameter(model.forward): cache}).logits[0].float()
 
 
 @torch.no_grad()

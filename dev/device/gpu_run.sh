@@ -21,7 +21,8 @@ stage() {  # stage NAME COMMAND...: timed, logged, never stops the job
   echo "$(date +%T) start $name" >> $RES/status
   local t0=$(date +%s)
   "$@" > $RES/$name.log 2>&1
-  echo "$(date +%T) end $name rc $? $(( $(date +%s) - t0 )) s" >> $RES/status
+  local rc=$?
+  echo "$(date +%T) end $name rc $rc $(( $(date +%s) - t0 )) s" >> $RES/status
 }
 
 part_smoke() {  # not in the default chain: a minute that shows the staged machine benches at all
