@@ -56,13 +56,20 @@ METHODS = ("ar", "ngram", "draft", "eagle3")
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit, or None outside a git checkout (an installed package)."""
+    """The checkout's short commit, with ``-dirty`` when tracked files differ from it (a copied tree
+    beside an older ``.git``, uncommitted edits); None outside a git checkout (an installed package)."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    if not commit:
+        return None
+    return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
