@@ -234,8 +234,8 @@ def check_args(a: argparse.Namespace) -> None:
     """The verb's checks that join several flags or look at an input's kind (``UserError``)."""
     if a.verb == "bench":
         _check_bench(a)
-    if a.verb in ("generate", "bench"):
-        _check_decoding(a)
+    if a.verb == "generate" or (a.verb == "bench" and not (a.server or a.compare)):
+        _check_decoding(a)  # a served run's --method names what the server runs; its --draft is optional
     elif a.verb == "plan":
         _check_plan(a)
 
