@@ -94,8 +94,9 @@ def test_exposition_parser_reads_the_format():
 class FakeEngine:
     """A streaming OpenAI-compatible server with vLLM's speculative counters (see the module docstring)."""
 
-    def __init__(self, model="fake-model", metrics=True, fail_from=None, stall_s=0.0, budget=200):
+    def __init__(self, model="fake-model", metrics=True, fail_from=None, stall_s=0.0, budget=200, accept=(3, 2, 1)):
         self.model, self.metrics, self.fail_from, self.stall_s, self.budget = model, metrics, fail_from, stall_s, budget
+        self.accept = accept  # per request: tokens accepted at draft positions 0..2 over its 4 drafts
         self.chats = 0
         self.counters = {"drafts": 0, "accepted": 0, "pos": [0, 0, 0]}
         self.lock = threading.Lock()
@@ -149,11 +150,11 @@ class FakeEngine:
                 end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
                 usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": 7}}
                 self.wfile.write(f"data: {json.dumps(end)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-                with engine.lock:  # per request: 4 drafts, accepting 3, 2, 1, 0 tokens (positions 0..2)
+                with engine.lock:  # per request 4 drafts (by default accepting 3, 2, 1 and 0 tokens)
                     c = engine.counters
                     c["drafts"] += 4
-                    c["accepted"] += 6
-                    c["pos"] = [c["pos"][0] + 3, c["pos"][1] + 2, c["pos"][2] + 1]
+                    c["accepted"] += sum(engine.accept)
+                    c["pos"] = [p + a for p, a in zip(c["pos"], engine.accept)]
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
