@@ -94,8 +94,10 @@ def test_exposition_parser_reads_the_format():
 class FakeEngine:
     """A streaming OpenAI-compatible server with vLLM's speculative counters (see the module docstring)."""
 
-    def __init__(self, model="fake-model", metrics=True, fail_from=None, stall_s=0.0, budget=200, accept=(3, 2, 1)):
+    def __init__(self, model="fake-model", metrics=True, fail_from=None, stall_s=0.0, budget=200, accept=(3, 2, 1),
+                 hang_up_from=None):
         self.model, self.metrics, self.fail_from, self.stall_s, self.budget = model, metrics, fail_from, stall_s, budget
+        self.hang_up_from = hang_up_from  # from this chat request on, close the connection without a reply
         self.accept = accept  # per request: tokens accepted at draft positions 0..2 over its 4 drafts
         self.chats = 0
         self.counters = {"drafts": 0, "accepted": 0, "pos": [0, 0, 0]}
@@ -129,6 +131,9 @@ class FakeEngine:
                 with engine.lock:
                     engine.chats += 1
                     n = engine.chats
+                if engine.hang_up_from is not None and n >= engine.hang_up_from:
+                    self.close_connection = True
+                    return
                 if n > engine.budget or (engine.fail_from is not None and n >= engine.fail_from):
                     self.send(500, b'{"error": "engine crashed"}')
                     return
@@ -230,6 +235,14 @@ def test_server_errors_keep_the_finished_levels(prompts, tmp_path, capsys):
     records = json.loads(out.read_text())
     assert [(r["concurrency"], r["completed"], r["failed"]) for r in records] == [(1, 3, 0), (2, 0, 3)]
     assert records[0]["tau"] == pytest.approx(2.5)
+
+
+def test_connections_dropped_mid_run_keep_the_finished_levels(prompts, tmp_path, capsys):
+    with FakeEngine(hang_up_from=4) as engine:
+        rc, out = _bench(engine.url, prompts, tmp_path, "--concurrency", "1,2")
+    line = _one_line(capsys)
+    assert rc == 2 and "connection failed" in line
+    assert [r["completed"] for r in json.loads(out.read_text())] == [3, 0]
 
 
 def test_stalled_stream_ends_at_the_timeout(prompts, tmp_path, capsys):

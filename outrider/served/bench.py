@@ -108,8 +108,8 @@ def level_record(replies: Sequence[Reply], wall_s: float, concurrency: int, serv
     return rec
 
 
-def _scrape(ep: Endpoint) -> list | None:
-    text = ep.scrape()
+def _scrape(ep: Endpoint, reachable: bool = True) -> list | None:
+    text = ep.scrape(reachable)
     return None if text is None else parse_exposition(text)
 
 
@@ -133,7 +133,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
     before = first
     for c in concurrency:
         replies, wall = _run_level(ep, texts, c, max_tokens, temperature, seed)
-        after = _scrape(ep)
+        after = _scrape(ep, reachable=False)  # a server that died in the level: its records are still kept
         served = acceptance(engine, before, after, sglang_k if isinstance(sglang_k, int) else None)
         before = after
         rec = {"kind": "served", "role": role, "server": ep.base, "model": name, "engine": engine or "unknown",

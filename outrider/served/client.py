@@ -7,8 +7,8 @@ Contract:
 - ``probe()`` lists ``/v1/models`` and returns the model to request (the given one, which must
   be listed, else the first); an unreachable server, a model it does not serve, or no model at
   all is a ``UserError`` (one line). ``scrape()`` returns ``/metrics`` text, or None when the
-  server has none; ``engine_info()`` what ``/version`` and ``/get_server_info`` say (empty when
-  absent). These are single GETs, never retried.
+  server has none (or, with ``reachable=False``, cannot be reached); ``engine_info()`` what
+  ``/version`` and ``/get_server_info`` say (empty when absent). These are single GETs, never retried.
 - ``stream(messages, max_tokens, temperature, seed)`` sends one chat completion with
   ``stream: true`` and ``stream_options.include_usage`` and returns a ``Reply``: text, the
   send/first-token/chunk times (``time.perf_counter``), completion tokens (the server's usage
@@ -83,8 +83,9 @@ class Endpoint:
                                      method="GET" if body is None else "POST")
         return urllib.request.urlopen(req, timeout=self.timeout)
 
-    def _get(self, path: str) -> bytes | None:
-        """The body of a GET, None on an HTTP error status; unreachable raises ``UserError``."""
+    def _get(self, path: str, reachable: bool = True) -> bytes | None:
+        """The body of a GET, None on an HTTP error status; an unreachable server raises ``UserError``
+        (``reachable=False``: gives None, for a scrape after requests that may have failed)."""
         try:
             with self._open(path) as resp:
                 return resp.read()
@@ -92,6 +93,8 @@ class Endpoint:
             e.close()
             return None
         except (urllib.error.URLError, OSError) as e:
+            if not reachable:
+                return None
             raise UserError(f"cannot reach the server at {self.base}: {_why(e)} (start it, or fix --server)") from None
 
     def probe(self) -> str:
@@ -111,8 +114,8 @@ class Endpoint:
         self.model = models[0]
         return self.model
 
-    def scrape(self) -> str | None:
-        raw = self._get("/metrics")
+    def scrape(self, reachable: bool = True) -> str | None:
+        raw = self._get("/metrics", reachable)
         return None if raw is None else raw.decode("utf-8", "replace")
 
     def engine_info(self) -> dict[str, Any]:
