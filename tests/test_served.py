@@ -272,8 +272,9 @@ def test_baseline_compare_and_plan_read_the_records(prompts, tmp_path, capsys):
     for s, b in zip(spec_recs, base_recs):
         assert s["speedup_vs_baseline"] == pytest.approx(s["tokens_per_s"] / b["tokens_per_s"])
     capsys.readouterr()
-    assert main(["bench", "--compare", str(out), str(tmp_path / "plain.json"), "--json", str(tmp_path / "cmp.json")]) == 0
-    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    cmp_path = tmp_path / "cmp.json"
+    assert main(["bench", "--compare", str(out), str(tmp_path / "plain.json"), "--json", str(cmp_path)]) == 0
+    cmp = json.loads(cmp_path.read_text())
     assert all("speedup_vs_baseline" in r for r in cmp if r["role"] == "server")
     capsys.readouterr()
     rc = main(["plan", "default", "--hardware", "h100", "--measured", str(out), "--batch", "1,2", "--k", "3"])

@@ -107,7 +107,8 @@ class Endpoint:
         models = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
         if self.model:
             if models and self.model not in models:
-                raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': fix --model")
+                raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': "
+                                "fix --model")
             return self.model
         if not models:
             raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --model NAME")

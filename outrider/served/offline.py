@@ -99,7 +99,8 @@ def gap(served_tau: float | None, offline_tau: float | None, checks: Sequence[An
                 "verdict": f"served tau {served_tau:.2f} is close to the head's walked tau {offline_tau:.2f} "
                            f"({share:.0%} of its accepted drafts per step)"}
     findings = [f"{c.name}{f' [{c.engine}]' if c.engine else ''}: {c.status}: {c.reason}" for c in checks
-                if c.status in ("warn", "fail") and c.name in GAP_CHECKS and (c.engine in (None, engine) or engine is None)]
+                if c.status in ("warn", "fail") and c.name in GAP_CHECKS
+                and (c.engine is None or engine is None or c.engine == engine)]
     return {"flagged": True, "share": share, "findings": findings, "check_by_hand": [] if findings else list(BY_HAND),
             "verdict": f"served tau {served_tau:.2f} is far below the head's walked tau {offline_tau:.2f} here "
                        f"(the engine accepts {share:.0%} of the drafts per step we do): "
