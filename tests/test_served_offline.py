@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_served import FakeEngine, parse_exposition, vllm_text
+from test_served import FakeEngine, vllm_text
 from tiny import VOCAB, make_tiny, tiny_tokenizer
 
 from outrider.cli import main
@@ -30,7 +30,7 @@ from outrider.heads import inspect as compat
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
 from outrider.served import offline
-from outrider.served.metrics import acceptance
+from outrider.served.metrics import acceptance, parse_exposition
 
 LAYERS = 8
 AUX = (2, 4, 5)
