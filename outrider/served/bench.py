@@ -124,6 +124,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
                method: str = "ar", role: str = "server", done: Callable[[list[dict[str, Any]]], None] | None = None,
                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """All levels against one server; ``done`` receives the records so far after every level."""
+    commit = git_commit()  # once: the code that measures every level
     ep = Endpoint(server, model, timeout)
     name = ep.probe()
     first = _scrape(ep)
@@ -144,7 +145,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
         if served.tau is None:
             rec["k"] = 0  # as far as the engine tells: plain decoding
         rec.update({"device": f"served ({engine or 'unknown engine'})", "dtype": None,
-                    "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), "git_commit": git_commit()})
+                    "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), "git_commit": commit})
         records.append(rec)
         if log is not None:
             log(f"{role} concurrency {c}: {rec['completed']}/{len(texts)} requests in {wall:.1f} s")
