@@ -25,6 +25,7 @@ Contract:
     from ``/get_server_info`` (``speculative_num_steps``) when given.
   * anything else, or an engine whose counters are absent or did not move: ``Served`` with
     ``tau`` None and the reason, "no acceptance counters"; nothing is guessed.
+  The counters are the whole server's: other clients' traffic during a level is counted too.
 
 Not done here: scraping (``served.client``), per-request acceptance, sampling-mode corrections.
 """
