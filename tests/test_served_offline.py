@@ -152,7 +152,7 @@ def test_transformers_serve_default_model(tmp_path, capsys):
             pytest.fail(f"transformers serve did not come up in 120 s: {(tmp_path / 'serve.log').read_text()[-500:]}")
         out = tmp_path / "served.json"
         rc = main(["bench", "default", "--server", url, "--concurrency", "1,4", "--num-prompts", "4",
-                   "--max-new-tokens", "8", "--quiet", "--timeout", "60", "--json", str(out)])
+                   "--max-new-tokens", "8", "--quiet", "--timeout", "120", "--json", str(out)])
         assert rc == 0
         records = json.loads(out.read_text())
         assert [r["concurrency"] for r in records] == [1, 4]
