@@ -194,7 +194,7 @@ def test_vllm_counters_end_to_end(prompts, tmp_path, capsys):
         rc, out = _bench(engine.url, prompts, tmp_path, "--concurrency", "1,2", "--method", "eagle3")
     assert rc == 0
     records = json.loads(out.read_text())
-    assert [r["concurrency"] for r in records] == [1, 2]
+    assert [(r["concurrency"], r["max_in_flight"]) for r in records] == [(1, 1), (2, 2)]
     for r in records:  # 3 requests a level, each 4 drafts accepting 6 tokens: tau = 1 + 18 / 12
         assert r["engine"] == "vllm" and r["engine_version"] == "0.0-fake" and r["method"] == "eagle3"
         assert r["tau"] == pytest.approx(2.5) and r["k"] == 3

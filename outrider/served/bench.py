@@ -4,19 +4,20 @@ Contract:
 - ``served_bench(server, texts, concurrency, ...)`` probes the server (``client.Endpoint``), then
   for each concurrency c in order scrapes ``/metrics``, streams every prompt (chat template
   applied by the server; greedy unless ``temperature`` > 0) with c requests in flight, scrapes
-  again, and makes one record per level (``record``). With ``baseline`` (a plain server) the same
-  levels run there too and each speculative record gets ``speedup_vs_baseline`` (total tokens/s
-  over the baseline's at that c).
-- A record: ``kind: "served"``, ``method`` (``ar`` for a plain server), ``k``, ``concurrency`` (and
-  ``batch``, the same), ``num_prompts`` asked, ``completed``, ``failed`` with the first errors,
-  ``new_tokens``, ``tokens_per_s`` (all requests' tokens over the level's wall time, prefill
-  included), ``tokens_per_s_per_request`` (median of tokens over each request's latency),
-  ``ttft_ms_p50/p99``, ``itl_ms_p50/p99`` (gaps between streamed content chunks, vLLM's
-  benchmark definition: a chunk may carry several tokens), ``tpot_ms`` (median of (latency -
-  TTFT) / (tokens - 1)), the step times the planner's ``--calibrate`` reads (``ar_step_ms`` =
-  TPOT on a plain server; ``verify_step_ms`` = TPOT x tau, a whole speculative step, drafting
-  included), the acceptance (``served.metrics``: tau, per position, or "no acceptance
-  counters"), ``engine``, ``engine_version``, ``outputs``, ``date``, ``git_commit``.
+  again, and makes one record per level (``level_record``). With ``baseline`` (a plain server) the
+  same levels run there too and each speculative record gets ``speedup_vs_baseline`` (total
+  tokens/s over the baseline's at that c).
+- A record: ``kind: "served"``, ``method`` (``ar`` for a plain server), ``k``, ``concurrency``
+  (and ``batch``, the same), ``num_prompts`` sent (``max_in_flight``: fewer than c when the
+  prompts are), ``completed``, ``failed`` with the first errors, ``new_tokens``, ``tokens_per_s``
+  (all requests' tokens over the level's wall time, prefill included),
+  ``tokens_per_s_per_request`` (median of tokens over each request's latency),
+  ``ttft_ms_p50/p99``, ``itl_ms_p50/p99`` (gaps between streamed content chunks, vLLM's benchmark
+  definition: a chunk may carry several tokens), ``tpot_ms`` (median of (latency - TTFT) / (tokens
+  - 1)), the step times the planner's ``--calibrate`` reads (``ar_step_ms`` = TPOT on a plain
+  server; ``verify_step_ms`` = TPOT x tau, a whole speculative step, drafting included), the
+  acceptance (``served.metrics``: tau, per position, or "no acceptance counters"), ``engine``,
+  ``engine_version``, ``outputs``, ``date``, ``git_commit``.
 - Every level's records are written (``json_path``, atomically) as soon as it ends, so a fault
   later keeps what was measured. Any failed request (HTTP error, stall past ``timeout``, a
   broken stream) stops the run after its level; the caller receives the records and one line
@@ -139,8 +140,8 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
         before = after
         rec = {"kind": "served", "role": role, "server": ep.base, "model": name, "engine": engine or "unknown",
                "engine_version": version, "method": method if served.tau is not None else "ar",
-               "num_prompts": len(texts), "max_new_tokens": max_tokens, "temperature": temperature,
-               "timeout_s": timeout}
+               "num_prompts": len(texts), "max_in_flight": min(c, len(texts)), "max_new_tokens": max_tokens,
+               "temperature": temperature, "timeout_s": timeout}
         rec.update(level_record(replies, wall, c, served))
         if served.tau is None:
             rec["k"] = 0  # as far as the engine tells: plain decoding
@@ -148,7 +149,9 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), "git_commit": commit})
         records.append(rec)
         if log is not None:
-            log(f"{role} concurrency {c}: {rec['completed']}/{len(texts)} requests in {wall:.1f} s")
+            short = f" (only {len(texts)} prompts: at most {len(texts)} in flight; raise --num-prompts)" \
+                if c > len(texts) else ""
+            log(f"{role} concurrency {c}: {rec['completed']}/{len(texts)} requests in {wall:.1f} s{short}")
         if done is not None:
             done(records)
         if rec["failed"]:
