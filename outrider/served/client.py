@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import UserError
+from outrider.openai_api import base_url, served_model, short
 
 
 @dataclass
@@ -48,23 +49,11 @@ class Reply:
     error: str | None = None
 
 
-def base_url(server: str) -> str:
-    url = server.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise UserError(f"--server must be an http(s) URL such as http://127.0.0.1:8000, got '{server}'")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _short(text: Any, limit: int = 160) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _why(e: BaseException) -> str:
     reason = getattr(e, "reason", None) or e
     if isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason):
         return "timed out"
-    return _short(reason)
+    return short(reason)
 
 
 class Endpoint:
@@ -103,16 +92,7 @@ class Endpoint:
             listing = json.loads(raw) if raw else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
             listing = {}
-        entries = listing.get("data") if isinstance(listing, dict) else None
-        models = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
-        if self.model:
-            if models and self.model not in models:
-                raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': "
-                                "fix --server-model")
-            return self.model
-        if not models:
-            raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --server-model NAME")
-        self.model = models[0]
+        self.model = served_model(self.base, listing, self.model)
         return self.model
 
     def scrape(self, reachable: bool = True) -> str | None:
@@ -146,7 +126,7 @@ class Endpoint:
             with self._open("/v1/chat/completions", body) as resp:
                 self._read(resp, r, 8 * int(max_tokens) + 64)
         except urllib.error.HTTPError as e:
-            detail = _short(e.read().decode("utf-8", "replace")) if e.fp is not None else _short(e.reason)
+            detail = short(e.read().decode("utf-8", "replace")) if e.fp is not None else short(e.reason)
             e.close()
             r.error = f"HTTP {e.code}: {detail}"
         except (urllib.error.URLError, OSError) as e:
@@ -172,12 +152,12 @@ class Endpoint:
             try:
                 chunk = json.loads(payload)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                r.error = f"not JSON in the stream: {_short(payload.decode('utf-8', 'replace'))}"
+                r.error = f"not JSON in the stream: {short(payload.decode('utf-8', 'replace'))}"
                 return
             if not isinstance(chunk, dict):
                 continue
             if "error" in chunk:
-                r.error = f"the server sent an error: {_short(chunk['error'])}"
+                r.error = f"the server sent an error: {short(chunk['error'])}"
                 return
             usage = chunk.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

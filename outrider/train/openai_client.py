@@ -27,6 +27,7 @@ import urllib.request
 from typing import Any
 
 from outrider.errors import UserError
+from outrider.openai_api import base_url, served_model, short
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -39,26 +40,12 @@ class ServerRejected(Exception):
         self.status = status
 
 
-def _base_url(server: str) -> str:
-    url = server.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise UserError(f"--server must be an http(s) URL such as http://127.0.0.1:8000, got '{server}'")
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
-    return url
-
-
-def _short(text: str, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class ChatClient:
     """Greedy chat completions from one OpenAI-compatible server."""
 
     def __init__(self, server: str, model: str | None = None, timeout: float = 300.0, retries: int = 5,
                  backoff: float = 1.0, api_key: str | None = None):
-        self.base = _base_url(server)
+        self.base = base_url(server)
         self.model = model
         self.timeout = float(timeout)
         self.retries = max(1, int(retries))
@@ -80,7 +67,7 @@ class ChatClient:
         try:
             return json.loads(payload)
         except json.JSONDecodeError:
-            text = _short(payload.decode("utf-8", "replace"))
+            text = short(payload.decode("utf-8", "replace"))
             raise ServerRejected(200, f"the reply from {url} is not JSON: {text}") from None
 
     def check(self) -> str:
@@ -95,16 +82,7 @@ class ChatClient:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise UserError(f"cannot reach the server at {self.base}: {reason} (start it, or fix --server)") from None
-        entries = listing.get("data") if isinstance(listing, dict) else None
-        models = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
-        if self.model:
-            if models and self.model not in models:
-                raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': "
-                                "fix --server-model")
-            return self.model
-        if not models:
-            raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --server-model NAME")
-        self.model = str(models[0])
+        self.model = served_model(self.base, listing, self.model)
         return self.model
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
@@ -124,7 +102,7 @@ class ChatClient:
             try:
                 reply = self._request(self.chat_url, body)
             except urllib.error.HTTPError as e:
-                detail = _short(e.read().decode("utf-8", "replace")) if e.fp is not None else str(e.reason)
+                detail = short(e.read().decode("utf-8", "replace")) if e.fp is not None else str(e.reason)
                 e.close()
                 if e.code not in _RETRY_STATUS:
                     raise ServerRejected(e.code, detail) from None
@@ -136,7 +114,7 @@ class ChatClient:
             try:
                 content = reply["choices"][0]["message"]["content"]
             except (KeyError, IndexError, TypeError):
-                detail = _short(json.dumps(reply))
+                detail = short(json.dumps(reply))
                 raise ServerRejected(200, f"no choices[0].message.content in the reply: {detail}") from None
             return "" if content is None else str(content)
         raise UserError(f"the server at {self.base} failed {self.retries} times (last: {last}); "
