@@ -136,18 +136,39 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_capture(a: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
     from outrider.outputs import claim_dir
+    from outrider.train import dist
     from outrider.train.cache_capture import capture_cache
+    from outrider.train.capture_ranks import Ranks
     from outrider.train.stream import streamed_source
 
-    with claim_dir(a.out, "cache", inputs=[a.data, a.target, a.offload_folder]) as claim:
-        if a.force and claim.existing:
-            claim.clear()
-        report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
-                               max_tokens_per_shard=a.max_tokens_per_shard, device=a.device,
-                               progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
-                               source=streamed_source(a.target, a.aux_layers, a), teacher_topk=a.teacher_topk)
-    print(report.summary())
+    # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
+    env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    ranks = Ranks(env)
+    device = env.device if env is not None else a.device
+    try:
+        with ExitStack() as stack:
+            error, source = None, None
+            try:
+                claim = stack.enter_context(claim_dir(a.out, "cache", inputs=[a.data, a.target, a.offload_folder],
+                                                      lock=ranks.lead))
+                if a.force and claim.existing and ranks.lead:
+                    claim.clear()
+                source = streamed_source(a.target, a.aux_layers, argparse.Namespace(**{**vars(a), "device": device}))
+            except UserError as e:
+                error = e
+            ranks.settle(error)
+            report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
+                                   max_tokens_per_shard=a.max_tokens_per_shard, device=device,
+                                   progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
+                                   source=source, teacher_topk=a.teacher_topk, ranks=ranks)
+    finally:
+        if env is not None:
+            dist.shutdown(env)
+    if ranks.lead:
+        print(report.summary() + (f" by {ranks.world} ranks" if ranks.distributed else ""))
     return 0
 
 
@@ -439,7 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_args(args)
         return args.fn(args)
     except UserError as e:
-        stderr_line(args.verb, str(e))
+        if not e.quiet:  # another process (rank 0 of a torchrun) printed the line
+            stderr_line(args.verb, str(e))
         return e.exit_code
     except KeyboardInterrupt:
         print(f"outrider {args.verb}: interrupted (what was written before is kept; rerun to go on)", file=sys.stderr)

@@ -11,7 +11,8 @@ Contract:
   itself otherwise. Data sharding is by rank in ``TokenDataset.batches`` (rank ``r`` takes
   elements ``r, r+W, ...`` of every global batch), so the global batch is
   ``batch_size * world_size * grad_accum`` sequences.
-- ``all_reduce_sum`` and ``barrier`` do nothing on one process. Only rank 0
+- ``all_reduce_sum``, ``gather_bytes`` and ``barrier`` do nothing on one process (``gather_bytes``
+  carries raw bytes, JSON for its callers: nothing is unpickled). Only rank 0
   writes files and logs (``env.is_main``); the trainer puts a barrier around every checkpoint.
 - ``shard_head`` is where FSDP2 (``torch.distributed.fsdp.fully_shard``) would shard a head too
   large to replicate (a Kimi-K2.5-sized head with a 32k draft vocabulary is ~1.2 B parameters
@@ -118,6 +119,21 @@ def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
         if moved is not tensor:
             tensor.copy_(moved)
     return tensor
+
+
+def gather_bytes(data: bytes, env: DistEnv) -> list[bytes]:
+    """Every rank's ``data``, in rank order, on every rank (one process: ``[data]``)."""
+    if not env.distributed:
+        return [data]
+    size = torch.tensor([len(data)], dtype=torch.int64, device=env.device)
+    sizes = [torch.zeros_like(size) for _ in range(env.world_size)]
+    torch_dist.all_gather(sizes, size)
+    width = max(int(s) for s in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8, device=env.device)  # [width] padded with zeros
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(env.device) if data else mine[:0]
+    parts = [torch.empty_like(mine) for _ in range(env.world_size)]
+    torch_dist.all_gather(parts, mine)
+    return [bytes(p[:int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
 
 def wrap(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
