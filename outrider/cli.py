@@ -166,6 +166,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
                                    source=source, teacher_topk=a.teacher_topk, ranks=ranks)
     finally:
         if env is not None:
+            ranks.leave()
             dist.shutdown(env)
     if ranks.lead:
         print(report.summary() + (f" by {ranks.world} ranks" if ranks.distributed else ""))

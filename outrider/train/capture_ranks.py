@@ -64,6 +64,7 @@ class Ranks:
         self.env = env
         self.rank = env.rank if env is not None else 0
         self.world = env.world_size if env is not None else 1
+        self._lost = False  # a peer was lost: no more collectives
 
     @property
     def lead(self) -> bool:
@@ -79,10 +80,20 @@ class Ranks:
         try:
             parts = dist.gather_bytes(json.dumps(payload).encode(), self.env)
         except RuntimeError:  # gloo or NCCL: a peer died (killed) or the group broke
+            self._lost = True
             message = ("lost contact with another rank (killed?): the finished shards are kept; rerun the same "
                        "command, with any number of ranks, to go on")
             raise (UserError(message) if self.lead else RankStopped(message)) from None
         return [json.loads(p) for p in parts]
+
+    def leave(self) -> None:
+        """Wait for every rank before the process group ends (a rank leaving while another still talks
+        to it aborts that one in gloo); a peer already gone is not waited for."""
+        if self.distributed and not self._lost:
+            try:
+                dist.barrier(self.env)
+            except RuntimeError:  # a peer died during the wait: it is gone, nothing left to wait for
+                self._lost = True
 
     def settle(self, error: BaseException | None, suffix: str = "", **payload: Any) -> list[dict[str, Any]]:
         """Meet the other ranks; raise on every rank if any brought an error (see the module docstring)."""
