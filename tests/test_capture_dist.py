@@ -22,7 +22,8 @@ from tiny import save_tiny
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.outputs import claim_dir
-from outrider.train.capture_ranks import assign
+from outrider.errors import UserError
+from outrider.train.capture_ranks import assign, rank_placement
 from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
 
@@ -146,17 +147,40 @@ def test_assign_balances_tokens_deterministically():
     assert assign({7: 5}, 3) == [[7], [], []] and assign({}, 2) == [[], []]
 
 
-@pytest.mark.parametrize("kind, n, streamed", [("llama", 2, False), ("deepseek_v3", 3, False),
-                                               ("llama", 3, True), ("deepseek_v3", 2, True)])
-def test_n_ranks_write_the_single_process_cache(world, tmp_path, kind, n, streamed):
+def test_rank_placement_gives_each_rank_its_own_gpus():
+    free = {0: 80, 1: 80, 2: 80, 3: 80, "cpu": 1000}
+    assert rank_placement("auto", 1, 2, 4, free) == ("auto", {2: 80, 3: 80, "cpu": 500})
+    assert rank_placement({"model": 0, "lm_head": "cuda:1", "x": "disk"}, 1, 2, 4) == \
+        ({"model": 2, "lm_head": "cuda:3", "x": "disk"}, None)
+    assert rank_placement({"": "cpu"}, 1, 2, 0) == ({"": "cpu"}, None) and rank_placement(None, 0, 2, 4) == (None, None)
+    with pytest.raises(UserError, match="owns 2 GPU"):
+        rank_placement({"model": 2}, 0, 2, 4)
+    with pytest.raises(UserError, match="at least one GPU of its own"):
+        rank_placement("auto", 0, 3, 2)
+
+
+# the CPU and the disk through accelerate: every other layer, the final norm and the lm_head offloaded
+OFFLOAD = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk",
+           "model.layers.3": "cpu", "model.norm": "disk", "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+@pytest.mark.parametrize("kind, n, how", [("llama", 2, "online"), ("deepseek_v3", 3, "online"),
+                                          ("llama", 3, "streamed"), ("deepseek_v3", 2, "streamed"),
+                                          ("llama", 2, "device-map")])
+def test_n_ranks_write_the_single_process_cache(world, tmp_path, kind, n, how):
     out = tmp_path / "cache"
-    res = _torchrun(n, _argv(world, kind, out, *(STREAM if streamed else ())))
+    streamed = how == "streamed"
+    extra = {"online": [], "streamed": STREAM, "device-map": ["--device-map", json.dumps(OFFLOAD), "--offload-folder",
+                                                                str(tmp_path / "offload")]}[how]
+    res = _torchrun(n, _argv(world, kind, out, *extra))
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("wrote ") == 1 and f"by {n} ranks" in res.stdout  # rank 0 alone reports
     one = _one(world, kind, streamed)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and len(manifest["shards"]) == 8
     assert _files(out) == _files(one)  # the same examples in the same order, the same float32 bits
+    if how == "device-map":  # each rank offloaded its own copy
+        assert sorted(p.name for p in (tmp_path / "offload").iterdir()) == ["rank-0", "rank-1"]
 
 
 KILLABLE = """import os, sys, time

@@ -52,12 +52,13 @@ from outrider.models import (
     load_config_dict,
     load_model,
     load_tokenizer,
+    parse_device_map,
     resolve,
 )
 from outrider.progress import Bar
 from outrider.train import cache
 from outrider.train.capture import ModelSource, TeacherHead
-from outrider.train.capture_ranks import Ranks, RankStopped, assign, differ
+from outrider.train.capture_ranks import Ranks, RankStopped, assign, differ, rank_placement
 from outrider.train.datasets import consecutive_groups, load_split, read_manifest
 from outrider.train.target_weights import TargetWeights
 
@@ -162,7 +163,7 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
         try:
             if source is None:
                 source = _model_source(target, ids, device, model_dtype, batch_tokens, progress and ranks.lead,
-                                       device_map, offload_folder)
+                                       device_map, offload_folder, ranks)
             if tuple(source.aux_layer_ids) != tuple(ids) or int(source.hidden_size) != H:
                 raise ValueError(f"the source gives aux ids {source.aux_layer_ids} of width {source.hidden_size}, "
                                  f"the capture wants {ids} of {H}")
@@ -280,15 +281,24 @@ def _prepare(target: str, data: str, dtype: str, aux_layer_ids: Sequence[int] | 
 
 
 def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any, batch_tokens: int | None,
-                  progress: bool, device_map: Any = None, offload_folder: str | None = None):
+                  progress: bool, device_map: Any = None, offload_folder: str | None = None,
+                  ranks: Ranks | None = None):
     from transformers.utils import logging as hf_logging
+
+    max_memory = None
+    if ranks is not None and ranks.distributed and device_map is not None:  # each rank on GPUs of its own
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device_map, max_memory = rank_placement(parse_device_map(device_map), ranks.local_rank, ranks.local_world,
+                                                gpus)
+        if offload_folder is not None:  # each rank offloads its own copy
+            offload_folder = str(Path(offload_folder) / f"rank-{ranks.rank}")
 
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:  # --quiet: not even transformers' bar while the weights load
         hf_logging.disable_progress_bar()
     try:
         model, _ = load_model(target, device=device, dtype=model_dtype, with_tokenizer=False, device_map=device_map,
-                              offload_folder=offload_folder)
+                              offload_folder=offload_folder, max_memory=max_memory)
     finally:
         if bars and not progress:
             hf_logging.enable_progress_bar()

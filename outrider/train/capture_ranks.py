@@ -17,6 +17,11 @@ Contract:
   rank whose own error is not a user error: it re-raises it (a bug keeps its traceback). On one
   process ``settle`` raises the error itself, so single-process behaviour is unchanged.
   A peer lost mid-exchange (a killed rank) is the same: rank 0 says so in one line.
+- ``rank_placement(device_map, local_rank, local_world, gpus)``: ``--device-map`` for one of
+  ``local_world`` ranks on a host of ``gpus`` GPUs: the rank owns ``gpus // local_world``
+  consecutive GPUs; a named map (``auto``, ``balanced``...) is kept with accelerate's
+  ``max_memory`` listing only those GPUs (and a ``1/local_world`` share of the host memory), a
+  JSON map's GPU indices count from the rank's first GPU. Without GPUs the map is kept as is.
 - ``differ(replies, key)``: which fields of ``replies[r][key]`` (a dict) differ from rank 0's,
   per rank: ranks started with different commands are refused before anything is written.
 
@@ -27,6 +32,7 @@ process group itself (``outrider.train.dist``), signals.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from outrider.errors import UserError
@@ -64,6 +70,8 @@ class Ranks:
         self.env = env
         self.rank = env.rank if env is not None else 0
         self.world = env.world_size if env is not None else 1
+        self.local_rank = env.local_rank if env is not None else 0
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if env is not None else 1
         self._lost = False  # a peer was lost: no more collectives
 
     @property
@@ -123,3 +131,35 @@ def differ(replies: list[dict[str, Any]], key: str) -> dict[int, list[str]]:
         if fields:
             out[r] = fields
     return out
+
+
+def rank_placement(device_map: Any, local_rank: int, local_world: int, gpus: int,
+                   free: dict[Any, int] | None = None) -> tuple[Any, dict[Any, int] | None]:
+    """(the rank's device map, accelerate's ``max_memory`` or None); ``free``: accelerate's
+    ``get_max_memory()`` ({GPU index: bytes, "cpu": bytes}), read when needed and not given."""
+    if device_map is None or gpus == 0:
+        return device_map, None
+    per = gpus // local_world
+    if per < 1:
+        raise UserError(f"--device-map with {local_world} ranks on a host of {gpus} GPU(s): each rank needs at least "
+                        "one GPU of its own; start at most as many ranks as GPUs")
+    own = list(range(local_rank * per, (local_rank + 1) * per))
+    if isinstance(device_map, dict):
+        def place(dev: Any) -> Any:
+            index = dev if isinstance(dev, int) else (int(dev.split(":")[1]) if str(dev).startswith("cuda:")
+                                                      else 0 if dev == "cuda" else None)
+            if index is None:
+                return dev
+            if index >= per:
+                raise UserError(f"--device-map places a module on GPU {index}, but each of the {local_world} ranks "
+                                f"owns {per} GPU(s) (indices count from the rank's first GPU)")
+            return own[index] if isinstance(dev, int) else f"cuda:{own[index]}"
+        return {name: place(dev) for name, dev in device_map.items()}, None
+    if free is None:
+        from accelerate.utils import get_max_memory
+
+        free = get_max_memory()
+    memory = {g: free[g] for g in own if g in free}
+    if "cpu" in free:
+        memory["cpu"] = free["cpu"] // local_world
+    return device_map, memory
