@@ -6,8 +6,9 @@ prints one line and exits with status 130; ``inspect`` exits 1 when the pair can
 everything else exits 0. No traceback is shown for user errors. Every output is claimed before
 the verb starts (``outrider.outputs``): a folder only when new, empty or an earlier output of the
 same kind, under a lock that keeps a second process out; a file only when it is absent or an
-earlier output of the same kind. Heavy imports (torch, transformers) happen inside the verbs, so
-``outrider --help`` is instant.
+earlier output of the same kind. Under torchrun (``train``, ``capture``) rank 0 holds the lock and
+prints; a capture rank stopped by another's error prints nothing (``UserError.quiet``). Heavy
+imports (torch, transformers) happen inside the verbs, so ``outrider --help`` is instant.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ Contract. A cache is a folder (``outrider capture`` writes it, ``outrider.train.
   first teacher row, and the byte offsets of its first ``aux`` and ``final`` rows in the file.
   ``complete`` turns true when every planned shard is there.
 Shards are written to a temporary name, fsynced and renamed; the manifest is rewritten after
-each one. A finished shard is never rewritten. Readers verify each shard's size when the cache
+each one (in a data-parallel capture every rank writes its own shards, rank 0 alone the header
+and the manifest: ``CacheWriter(lead=False)`` and ``add``). A finished shard is never rewritten. Readers verify each shard's size when the cache
 opens, the token checksum when they read its tokens and the whole file's sha256 the first time
 they read its states; a mismatch is a one-line ``UserError``.
 

@@ -9,6 +9,15 @@ Contract:
 - Resumable: a cache folder that holds a header with the same settings is continued at the
   first missing shard; finished shards are never rewritten (``CacheWriter``). Other settings,
   data without loss tokens, or data of another tokenizer are refused with one line.
+- Data-parallel (``ranks``, ``outrider.train.capture_ranks``; ``torchrun --nproc-per-node N``):
+  every rank checks the inputs and builds the same header and shard plan (ranks that disagree,
+  or more ranks than examples, are refused before anything is written); rank 0 alone opens the
+  cache (header, a killed run's leftovers, the manifest), then the missing shards are dealt to
+  the ranks by tokens, each rank captures its own (named by their index in the plan: no two
+  ranks write one file) and after each one the ranks meet: rank 0 lists the others' finished
+  shards in the manifest, shows the progress of all, and any rank's error stops them all. The
+  shards' bytes do not depend on N (the plan does not, and a shard is captured as one process
+  would), so a run resumes with any N.
 - The hidden-state source is pluggable. A source is any object with
   * ``aux_layer_ids`` (tuple of ints, ascending, our convention: id ``j`` = the state entering
     decoder layer ``j`` = Hugging Face ``output_hidden_states[j]``) and ``hidden_size`` (int);
