@@ -19,10 +19,9 @@ import pytest
 from test_trainer import _conversations
 from tiny import save_tiny
 
-from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
-from outrider.outputs import claim_dir
 from outrider.errors import UserError
+from outrider.outputs import claim_dir
 from outrider.train.capture_ranks import assign, rank_placement
 from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
@@ -246,7 +245,9 @@ def test_a_failing_rank_stops_the_others_with_one_line_naming_it(world, tmp_path
     assert "the disk is full" in line and "finished shards are kept" in line
     kept = json.loads((out / "manifest.json").read_text())["shards"]
     assert kept and all(hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() == e["sha256"] for e in kept)
-    assert cli_main(argv) == 0 and _files(out) == _files(_one(world, "llama", False))  # one process finishes it
+    res = subprocess.run([sys.executable, "-m", "outrider", *argv], capture_output=True, text=True, timeout=300,
+                         env=_env())  # one process finishes it
+    assert res.returncode == 0 and _files(out) == _files(_one(world, "llama", False)), res.stderr[-3000:]
 
 
 def test_more_ranks_than_examples_is_one_line(world, tmp_path):
