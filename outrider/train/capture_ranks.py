@@ -117,7 +117,8 @@ class Ranks:
             raise error
         rank, line = failed[0]
         alike = len(failed) == self.world and all(p["error"] == line for p in replies)
-        message = (line if alike else f"rank {rank} of {self.world} failed: {line}") + suffix
+        message = (line if alike else f"rank {rank} of {self.world} failed: {line}")
+        message += suffix if " kept" not in line else ""  # the line may say already what was kept
         raise UserError(message) if self.lead else RankStopped(message)
 
 
