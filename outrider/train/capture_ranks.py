@@ -10,13 +10,15 @@ Contract:
   what is still missing.
 - ``Ranks(env)`` (``outrider.train.dist.DistEnv``; None: one process). ``exchange(payload)``: a
   JSON-able dict from every rank, all of them returned in rank order on every rank (raw bytes
-  over the process group, nothing unpickled). ``settle(error, **payload)`` is where the ranks
-  meet: with no error anywhere it returns the payloads; otherwise every rank raises: rank 0 a
-  ``UserError`` whose one line names the first failing rank (the line alone when every rank
-  failed alike), the others ``RankStopped`` (quiet: the CLI prints nothing, exit 2), except a
-  rank whose own error is not a user error: it re-raises it (a bug keeps its traceback). On one
-  process ``settle`` raises the error itself, so single-process behaviour is unchanged.
-  A peer lost mid-exchange (a killed rank) is the same: rank 0 says so in one line.
+  over the process group, or a gloo group beside NCCL; nothing unpickled). ``settle(error,
+  **payload)`` is where the ranks meet: with no error anywhere it returns the payloads;
+  otherwise every rank raises: rank 0 a ``UserError`` whose one line names the first failing
+  rank (the line alone when every rank failed alike), the others ``RankStopped`` (quiet: the
+  CLI prints nothing, exit 2), except a rank whose own error is not a user error: it re-raises
+  it (a bug keeps its traceback). On one process ``settle`` raises the error itself, so
+  single-process behaviour is unchanged. A peer lost mid-exchange (a killed rank) is the same:
+  rank 0 says so in one line. ``leave()``: the ranks wait for each other before the process
+  group ends (gloo aborts a rank whose peer has left).
 - ``rank_placement(device_map, local_rank, local_world, gpus)``: ``--device-map`` for one of
   ``local_world`` ranks on a host of ``gpus`` GPUs: the rank owns ``gpus // local_world``
   consecutive GPUs; a named map (``auto``, ``balanced``...) is kept with accelerate's
@@ -34,6 +36,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+import torch.distributed as torch_dist
 
 from outrider.errors import UserError
 from outrider.train import dist
@@ -73,6 +77,7 @@ class Ranks:
         self.local_rank = env.local_rank if env is not None else 0
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if env is not None else 1
         self._lost = False  # a peer was lost: no more collectives
+        self.group = dist.host_group(env) if env is not None else None  # NCCL ranks talk through gloo
 
     @property
     def lead(self) -> bool:
@@ -86,7 +91,7 @@ class Ranks:
         if not self.distributed:
             return [payload]
         try:
-            parts = dist.gather_bytes(json.dumps(payload).encode(), self.env)
+            parts = dist.gather_bytes(json.dumps(payload).encode(), self.env, self.group)
         except RuntimeError:  # gloo or NCCL: a peer died (killed) or the group broke
             self._lost = True
             message = ("lost contact with another rank (killed?): the finished shards are kept; rerun the same "
@@ -98,8 +103,11 @@ class Ranks:
         """Wait for every rank before the process group ends (a rank leaving while another still talks
         to it aborts that one in gloo); a peer already gone is not waited for."""
         if self.distributed and not self._lost:
-            try:
-                dist.barrier(self.env)
+            try:  # a barrier, not a gather: a rank leaving right after a gather can still abort a peer
+                if self.group is not None:
+                    torch_dist.barrier(group=self.group)
+                else:
+                    dist.barrier(self.env)
             except RuntimeError:  # a peer died during the wait: it is gone, nothing left to wait for
                 self._lost = True
 
