@@ -17,8 +17,9 @@ Contract:
   CLI prints nothing, exit 2), except a rank whose own error is not a user error: it re-raises
   it (a bug keeps its traceback). On one process ``settle`` raises the error itself, so
   single-process behaviour is unchanged. A peer lost mid-exchange (a killed rank) is the same:
-  rank 0 says so in one line. ``leave()``: the ranks wait for each other before the process
-  group ends (gloo aborts a rank whose peer has left).
+  rank 0 says so in one line. ``leave()``: the ranks meet at a barrier before the process group
+  ends (without it gloo often aborted a rank at teardown on the CPU; with it rarely, cause still
+  open: benchmarks/RESULTS.md).
 - ``rank_placement(device_map, local_rank, local_world, gpus)``: ``--device-map`` for one of
   ``local_world`` ranks on a host of ``gpus`` GPUs: the rank owns ``gpus // local_world``
   consecutive GPUs; a named map (``auto``, ``balanced``...) is kept with accelerate's
@@ -100,8 +101,8 @@ class Ranks:
         return [json.loads(p) for p in parts]
 
     def leave(self) -> None:
-        """Wait for every rank before the process group ends (a rank leaving while another still talks
-        to it aborts that one in gloo); a peer already gone is not waited for."""
+        """Wait for every rank before the process group ends (see the module docstring); a peer already
+        gone is not waited for."""
         if self.distributed and not self._lost:
             try:  # a barrier, not a gather: a rank leaving right after a gather can still abort a peer
                 if self.group is not None:
