@@ -7,8 +7,9 @@ checkpoints at the next step boundary first); ``inspect`` exits 1 when the pair 
 everything else exits 0. No traceback is shown for user errors. Every output is claimed before
 the verb starts (``outrider.outputs``): a folder only when new, empty or an earlier output of the
 same kind, under a lock that keeps a second process out; a file only when it is absent or an
-earlier output of the same kind. Heavy imports (torch, transformers) happen inside the verbs, so
-``outrider --help`` is instant.
+earlier output of the same kind. Under torchrun (``train``, ``capture``) rank 0 holds the lock and
+prints; a capture rank stopped by another's error prints nothing (``UserError.quiet``). Heavy
+imports (torch, transformers) happen inside the verbs, so ``outrider --help`` is instant.
 """
 
 from __future__ import annotations
@@ -157,18 +158,40 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_capture(a: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
     from outrider.outputs import claim_dir
+    from outrider.train import dist
     from outrider.train.cache_capture import capture_cache
+    from outrider.train.capture_ranks import Ranks
     from outrider.train.stream import streamed_source
 
-    with claim_dir(a.out, "cache", inputs=[a.data, a.target, a.offload_folder]) as claim:
-        if a.force and claim.existing:
-            claim.clear()
-        report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
-                               max_tokens_per_shard=a.max_tokens_per_shard, device=a.device,
-                               progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
-                               source=streamed_source(a.target, a.aux_layers, a), teacher_topk=a.teacher_topk)
-    print(report.summary())
+    # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
+    env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    ranks = Ranks(env)
+    device = env.device if env is not None else a.device
+    try:
+        with ExitStack() as stack:
+            error, source = None, None
+            try:
+                claim = stack.enter_context(claim_dir(a.out, "cache", inputs=[a.data, a.target, a.offload_folder],
+                                                      lock=ranks.lead))
+                if a.force and claim.existing and ranks.lead:
+                    claim.clear()
+                source = streamed_source(a.target, a.aux_layers, argparse.Namespace(**{**vars(a), "device": device}))
+            except UserError as e:
+                error = e
+            ranks.settle(error)
+            report = capture_cache(a.target, a.data, str(claim.path), dtype=a.dtype, aux_layer_ids=a.aux_layers,
+                                   max_tokens_per_shard=a.max_tokens_per_shard, device=device,
+                                   progress=not a.quiet, device_map=a.device_map, offload_folder=a.offload_folder,
+                                   source=source, teacher_topk=a.teacher_topk, ranks=ranks)
+    finally:
+        if env is not None:
+            ranks.leave()
+            dist.shutdown(env)
+    if ranks.lead:
+        print(report.summary() + (f" by {ranks.world} ranks" if ranks.distributed else ""))
     return 0
 
 
@@ -483,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Signals() as args.signals:
             return args.fn(args)
     except UserError as e:
-        stderr_line(args.verb, str(e))
+        if not e.quiet:  # another process (rank 0 of a torchrun) printed the line
+            stderr_line(args.verb, str(e))
         return e.exit_code
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGINT/SIGTERM as ``Interrupted``
         name, code = (e.name, e.exit_code) if isinstance(e, Interrupted) else ("SIGINT", 130)

@@ -13,6 +13,7 @@ class UserError(Exception):
     """A problem with the user's input; the message is one line, shown as is."""
 
     exit_code = 2
+    quiet = False  # True: another process printed this line already (rank 0 of a torchrun; the CLI stays silent)
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))

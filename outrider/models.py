@@ -294,7 +294,8 @@ def input_device(model: torch.nn.Module) -> torch.device:
 
 def load_model(spec: str | Path, device: torch.device | str | None = None,
                dtype: str | torch.dtype | None = None, with_tokenizer: bool = True,
-               device_map: str | dict | None = None, offload_folder: str | Path | None = None):
+               device_map: str | dict | None = None, offload_folder: str | Path | None = None,
+               max_memory: dict | None = None):
     """Load a causal LM for inference. Returns ``(model, tokenizer or None)``.
 
     ``device_map`` (``parse_device_map``): placed by accelerate across GPUs, the CPU and the disk
@@ -313,6 +314,8 @@ def load_model(spec: str | Path, device: torch.device | str | None = None,
         _check_map_devices(device_map)
         kwargs["device_map"] = device_map
         kwargs["offload_folder"] = str(offload_folder) if offload_folder is not None else _temporary_offload_folder()
+        if max_memory is not None:  # the devices (and bytes) accelerate may use, e.g. one rank's GPUs
+            kwargs["max_memory"] = max_memory
     try:
         if path.is_file():
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)

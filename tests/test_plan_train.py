@@ -125,6 +125,23 @@ def test_cache_dtype_and_modes():
         train_plan("default", "h200", cache_dtype="int4", capture="streamed")
 
 
+def test_streamed_capture_on_n_gpus_is_bounded_by_host_memory_and_storage():
+    kw = dict(conversations=20_000, tokens_per_turn=2048, max_length=2048, epochs=1, capture="streamed")
+    one, eight = (train_plan("kimi-k2.5", "h200", gpus=n, **kw).stages[1] for n in (1, 8))
+    W = 0.995 * 592e9  # Kimi-K2.5's INT4 checkpoint (592 GB, rounded), read once per pass by each rank
+    assert one.gpus == 1 and eight.gpus == 8 and eight.time.value < one.time.value / 4
+    for stage in (one, eight):  # 2 TB of host memory: the page cache keeps the checkpoint, storage reads it once
+        assert "first pass from storage" in stage.time.formula and "stays in the page cache" in " ".join(stage.notes)
+        passes = int(stage.notes[0].split(" pass(es)")[0])
+        assert stage.time.value >= W / 5e9 + (passes - 1) * W / 5e9
+    small = {"host_memory_bytes": 7e11}  # the checkpoint and one rank's buffers fit, not eight ranks'
+    one, eight = (train_plan("kimi-k2.5", "h200", gpus=n, rates=small, **kw).stages[1] for n in (1, 8))
+    assert "stays in the page cache" in " ".join(one.notes)
+    assert "does not stay" in " ".join(eight.notes) and "beyond 1 rank(s)" in " ".join(eight.notes)
+    passes = int(eight.notes[0].split(" pass(es)")[0])
+    assert eight.time.value >= passes * W / (5e9 / 8)  # eight ranks share one storage's 5 GB/s every pass
+
+
 def test_rates_from_a_file(tmp_path):
     path = tmp_path / "rates.json"
     path.write_text(json.dumps({"regen_tokens_per_s": {"value": 30500, "source": "my run"}}))

@@ -16,10 +16,13 @@ Stage models:
   ``local``: our engine, one copy per GPU: our measured rate times the cost model's ratio of
   this target on this GPU to the default target on an H200. ``none``: the data's own replies.
 - capture ``online``: the target's forward inside each training step (every rank holds the
-  target; its FLOPs are the training's). ``streamed``: layer by layer from storage; each pass of
-  ``pass_tokens`` (what the GPU holds beside two stored layers and one widened to bf16) streams
-  every weight once; time = max(streamed bytes / storage rate, FLOPs / (GPUs x peak x
-  efficiency), cache bytes / write rate). ``served``: a serving engine's prefill over every
+  target; its FLOPs are the training's). ``streamed``: layer by layer from storage, one rank per
+  GPU of one host (``torchrun``); each pass of ``pass_tokens`` (what the GPU holds beside two
+  stored layers and one widened to bf16) streams every weight once per rank; time = max(weight
+  reads, FLOPs / (GPUs x peak x efficiency), cache bytes / write rate). Weight reads: each rank
+  at most ``stream_bytes_per_s``; when host memory holds the checkpoint beside every rank's
+  pinned buffers the page cache keeps it (storage reads it once), else every pass of every rank
+  reads it again and N ranks share ``storage_read_bytes_per_s``; the notes give the bound on N. ``served``: a serving engine's prefill over every
   token, the states written out. Cached modes store 4 x H values per token (three aux states and
   the last): bf16 4H x 2 B, fp8 4H x (1 + 4/H) B (one fp32 scale per row of H values).
 - training: FLOPs per token in ``outrider.train.flops``' conventions (the target's forward when
@@ -319,24 +322,23 @@ def _capture(c: _Ctx, mode: str) -> Stage:
             raise UserError(f"streamed capture of {c.name}: one {c.hw.name} holds {free / 1e9:.1f} GB beside a layer's "
                             f"weights, less than one example of {s.example_tokens} tokens needs")
         passes = math.ceil(share / pass_tokens)
-        streamed = passes * c.gpus * shape.weight_bytes
-        t_stream = streamed / c.rate("stream_bytes_per_s")
+        t_stream, stream_text, host_notes = _streamed_reads(c, passes, pass_tokens, stored)
         eff = c.rate("capture_compute_efficiency")
         t_cmp = S * flops / (c.gpus * c.hw.flops_ceiling_per_s("bf16") * eff)
         t = max(t_stream, t_cmp, write)
-        time = Figure(t, "s", f"max(streamed bytes / storage rate, FLOPs / (GPUs x ceiling x efficiency), cache / write "
-                      f"rate) = max({passes} passes x {c.gpus} GPU x {shape.weight_bytes / 1e9:,.0f} GB / "
-                      f"{c.rate('stream_bytes_per_s') / 1e9:g} GB/s = {t_stream:,.0f} s, {S:,.0f} x {flops / 1e9:.3g} "
-                      f"GFLOP / ({c.gpus} x {c.hw.flops_ceiling_per_s('bf16') / 1e12:,.0f} TFLOP/s x {eff:g}) = "
-                      f"{t_cmp:,.0f} s, {write:,.0f} s)",
-                      ("stream_bytes_per_s", "capture_compute_efficiency", "disk_write_bytes_per_s"))
+        time = Figure(t, "s", f"max(weight reads, FLOPs / (GPUs x ceiling x efficiency), cache / write rate) = "
+                      f"max({stream_text}, {S:,.0f} x {flops / 1e9:.3g} GFLOP / ({c.gpus} x "
+                      f"{c.hw.flops_ceiling_per_s('bf16') / 1e12:,.0f} TFLOP/s x {eff:g}) = {t_cmp:,.0f} s, {write:,.0f} s)",
+                      ("stream_bytes_per_s", "storage_read_bytes_per_s", "host_memory_bytes",
+                       "capture_compute_efficiency", "disk_write_bytes_per_s"))
         mem = Figure((buffers + pass_tokens * per_tok) / 1e9, "GB",
                      f"two stored layers {2 * stored / 1e9:.1f} GB + one widened to bf16 {buffers / 1e9 - 2 * stored / 1e9:.1f} "
                      f"GB + a pass of {pass_tokens:,.0f} tokens x {per_tok / 1e3:.0f} kB (residual, norms, attention, "
                      f"kept states, the MLP's intermediate)")
         return Stage("capture", "streamed", c.gpus, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
-                     [f"{passes} pass(es) per GPU of up to {pass_tokens:,.0f} tokens; the weights are read from "
-                      f"storage once per pass"])
+                     [f"{passes} pass(es) per GPU of up to {pass_tokens:,.0f} tokens; each rank reads the weights "
+                      f"once per pass (`torchrun --nproc-per-node {c.gpus} -m outrider capture --stream-layers`)"]
+                     + host_notes)
     tp, where = c.placement()
     eff = c.rate("served_prefill_efficiency")
     t_pre = S * flops / (tp * c.serve_hw.flops_ceiling_per_s("bf16") * eff)
@@ -351,6 +353,36 @@ def _capture(c: _Ctx, mode: str) -> Stage:
                  f"an 8,192-token prefill chunk {chunk / 1e9:.2f} GB")
     return Stage("capture", "served", tp, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
                  [f"served on {where}"])
+
+
+def _streamed_reads(c: _Ctx, passes: int, pass_tokens: float, layer_bytes: float) -> tuple[float, str, list[str]]:
+    """Seconds for N = GPUs streamed ranks on one host to read the weights ``passes`` times each, the
+    formula, and the host limits. Each rank reads at most ``stream_bytes_per_s``. The page cache keeps
+    the checkpoint when host memory holds it beside every rank's pinned buffers (two layers and a
+    pass's states): the storage then delivers it once and the ranks share it; otherwise every pass of
+    every rank reads it from storage again, N ranks sharing ``storage_read_bytes_per_s``."""
+    W, N = c.shape.weight_bytes, c.gpus
+    stream, storage, host = c.rate("stream_bytes_per_s"), c.rate("storage_read_bytes_per_s"), c.rate("host_memory_bytes")
+    per_rank = 2 * layer_bytes + pass_tokens * 5 * c.shape.hidden_size * ACT_BYTES  # read buffers, pinned states
+    cached = W + N * per_rank <= host
+    most = max(0, int((host - W) // per_rank))  # ranks whose buffers fit beside the cached checkpoint
+    if cached:
+        t = W / min(stream, storage) + (passes - 1) * W / stream
+        text = (f"first pass from storage {W / 1e9:,.0f} GB / {min(stream, storage) / 1e9:g} GB/s + {passes - 1} from the "
+                f"page cache at {stream / 1e9:g} GB/s per rank = {t:,.0f} s")
+    else:
+        rate = min(stream, storage / N)
+        t = passes * W / rate
+        text = (f"{passes} passes x {W / 1e9:,.0f} GB / min({stream / 1e9:g} GB/s per rank, {storage / 1e9:g} GB/s "
+                f"storage / {N} ranks) = {t:,.0f} s")
+    notes = [f"host: the checkpoint ({W / 1e9:,.0f} GB) {'stays' if cached else 'does not stay'} in the page cache "
+             f"beside {N} rank(s) x {per_rank / 1e9:,.1f} GB of pinned buffers ({host / 1e9:,.0f} GB host memory, "
+             f"`host_memory_bytes`); up to {most} streamed rank(s) keep it cached"]
+    if not cached:
+        useful = max(1, int(storage // stream))
+        notes.append(f"uncached, every pass of every rank reads the checkpoint from storage: beyond {useful} rank(s) "
+                     f"({storage / 1e9:g} GB/s storage / {stream / 1e9:g} GB/s per rank) more GPUs add no speed")
+    return t, text, notes
 
 
 def _cache(c: _Ctx, capture: str) -> Stage:

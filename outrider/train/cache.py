@@ -23,7 +23,8 @@ Contract. A cache is a folder (``outrider capture`` writes it, ``outrider.train.
   first teacher row, and the byte offsets of its first ``aux`` and ``final`` rows in the file.
   ``complete`` turns true when every planned shard is there.
 Shards are written to a temporary name, fsynced and renamed; the manifest is rewritten after
-each one. A finished shard is never rewritten. Readers verify each shard's size when the cache
+each one (in a data-parallel capture every rank writes its own shards, rank 0 alone the header
+and the manifest: ``CacheWriter(lead=False)`` and ``add``). A finished shard is never rewritten. Readers verify each shard's size when the cache
 opens, the token checksum when they read its tokens and the whole file's sha256 the first time
 they read its states; a mismatch is a one-line ``UserError``.
 
@@ -39,6 +40,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -191,7 +193,7 @@ def read_header(directory: Path) -> dict[str, Any]:
 def settings(header: dict[str, Any]) -> dict[str, Any]:
     """What a resumed capture must share with the cache it continues."""
     keys = ("target", "aux_layer_ids", "dtype", "scaling", "data", "max_tokens_per_shard", "shards")
-    return {k: header.get(k) for k in keys}
+    return {**{k: header.get(k) for k in keys}, "teacher": header.get("teacher") or {"kind": "final"}}
 
 
 def _tensor_offsets(blob: bytes) -> dict[str, int]:
@@ -222,11 +224,20 @@ class Example:
 
 
 class CacheWriter:
-    """Writes a cache folder shard by shard; resumes one written with the same settings."""
+    """Writes a cache folder shard by shard; resumes one written with the same settings.
 
-    def __init__(self, out: str | Path, header: dict[str, Any]):
+    ``lead=False`` (the other ranks of a data-parallel capture, ``outrider.train.capture_ranks``):
+    shard files only; the lead, constructed first, has written the header, removed a killed run's
+    temporaries and adopted its shards, and lists the others' shards through ``add``."""
+
+    def __init__(self, out: str | Path, header: dict[str, Any], lead: bool = True):
         self.out = Path(out).expanduser()
         self.header = header
+        self.lead = lead
+        self._lock = threading.Lock()  # the lead's writer thread and ``add`` both update the manifest
+        if not lead:
+            self.shards: dict[int, dict[str, Any]] = {}
+            return
         if (self.out / HEADER).exists():
             have = read_header(self.out)
             if settings(have) != settings(header):
@@ -290,14 +301,25 @@ class CacheWriter:
         try:
             with atomic_path(path) as tmp:
                 _write_file(tmp, blob)
-            self.shards[k] = entry
-            self._write_manifest(self.shards)
+            with self._lock:
+                self.shards[k] = entry
+                if self.lead:
+                    self._write_manifest(self.shards)
         except OSError as e:
-            self.shards.pop(k, None)
+            with self._lock:
+                self.shards.pop(k, None)
             why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
             raise UserError(f"cannot write {path.name} of {self.out}: {why}; the {len(self.shards)} finished "
                             "shard(s) are kept: free space and rerun the same command to continue") from None
         return entry
+
+    def add(self, entries: Sequence[dict[str, Any]]) -> None:
+        """The lead lists shards the other ranks finished (their ``write_shard`` entries)."""
+        entries = [e for e in entries if int(e["index"]) not in self.shards]
+        if entries:
+            with self._lock:
+                self.shards.update({int(e["index"]): e for e in entries})
+                self._write_manifest(self.shards)
 
     def _write_manifest(self, shards: dict[int, dict[str, Any]]) -> None:
         ordered = [shards[k] for k in sorted(shards)]

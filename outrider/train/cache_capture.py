@@ -9,6 +9,15 @@ Contract:
 - Resumable: a cache folder that holds a header with the same settings is continued at the
   first missing shard; finished shards are never rewritten (``CacheWriter``). Other settings,
   data without loss tokens, or data of another tokenizer are refused with one line.
+- Data-parallel (``ranks``, ``outrider.train.capture_ranks``; ``torchrun --nproc-per-node N``):
+  every rank checks the inputs and builds the same header and shard plan (ranks that disagree,
+  or more ranks than examples, are refused before anything is written); rank 0 alone opens the
+  cache (header, a killed run's leftovers, the manifest), then the missing shards are dealt to
+  the ranks by tokens, each rank captures its own (named by their index in the plan: no two
+  ranks write one file) and after each one the ranks meet: rank 0 lists the others' finished
+  shards in the manifest, shows the progress of all, and any rank's error stops them all. The
+  shards' bytes do not depend on N (the plan does not, and a shard is captured as one process
+  would), so a run resumes with any N.
 - The hidden-state source is pluggable. A source is any object with
   * ``aux_layer_ids`` (tuple of ints, ascending, our convention: id ``j`` = the state entering
     decoder layer ``j`` = Hugging Face ``output_hidden_states[j]``) and ``hidden_size`` (int);
@@ -33,6 +42,7 @@ Not done here: the file format (``outrider.train.cache``), running the model
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -51,11 +61,13 @@ from outrider.models import (
     load_config_dict,
     load_model,
     load_tokenizer,
+    parse_device_map,
     resolve,
 )
 from outrider.progress import Bar
 from outrider.train import cache
 from outrider.train.capture import ModelSource, TeacherHead
+from outrider.train.capture_ranks import Ranks, RankStopped, assign, differ, rank_placement
 from outrider.train.datasets import consecutive_groups, load_split, read_manifest
 from outrider.train.target_weights import TargetWeights
 
@@ -114,7 +126,7 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
                   model_dtype: str | torch.dtype | None = None, block: int | None = None,
                   batch_tokens: int | None = None, progress: bool = True, source: Any = None,
                   device_map: str | dict | None = None, offload_folder: str | None = None,
-                  teacher_topk: int = 0) -> CaptureReport:
+                  teacher_topk: int = 0, ranks: Ranks | None = None) -> CaptureReport:
     """Capture ``data`` (a token dataset folder) through ``target`` into the cache folder ``out``.
 
     dtype:       stored values: ``bf16``, ``fp8`` (float8_e4m3fn with float32 scales) or ``float32``
@@ -125,7 +137,108 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
     device_map, offload_folder: place the loaded target through accelerate (``outrider.models.load_model``)
     teacher_topk: K > 0 stores, at the teacher rows, the target's K largest logits (and their logsumexp)
                  instead of the final state (``cache.encode``); 0 stores the final state
+    ranks:       this process's place in a data-parallel capture (``capture_ranks.Ranks``); None: alone
     """
+    ranks = ranks or Ranks()
+    prep, error = None, None
+    try:
+        prep = _prepare(target, data, dtype, aux_layer_ids, max_tokens_per_shard, block, teacher_topk, ranks.world)
+    except UserError as e:
+        error = e
+    replies = ranks.settle(error, header=prep.header if prep else None)
+    disagree = differ(replies, "header")
+    if disagree:
+        r, fields = next(iter(disagree.items()))
+        raise (UserError if ranks.lead else RankStopped)(
+            f"rank {r} of {ranks.world} was started with another command than rank 0 ({', '.join(fields)} differ): "
+            "start every rank with the same command")
+    header, plan, lengths = prep.header, prep.plan, prep.lengths
+    writer, error, todo = None, None, []
+    if ranks.lead:  # the header, a killed run's temporaries and orphan shards: before any other rank writes
+        try:
+            writer = cache.CacheWriter(out, header)
+            todo = [k for k in range(len(plan)) if k not in writer.shards]
+        except UserError as e:
+            error = e
+    replies = ranks.settle(error, todo=todo, bytes=sum(e["bytes"] for e in writer.shards.values()) if writer else 0)
+    todo, stored = replies[0]["todo"], replies[0]["bytes"]
+    writer = writer or cache.CacheWriter(out, header, lead=False)
+    shard_tokens = {k: sum(lengths[i] for i in plan[k]) for k in todo}
+    deal = assign(shard_tokens, ranks.world)
+    mine, rounds = deal[ranks.rank], max(len(d) for d in deal)
+    H, ids, teacher_topk = prep.hidden, prep.aux_layer_ids, prep.teacher_topk
+    error = None
+    if mine:
+        try:
+            if source is None:
+                source = _model_source(target, ids, device, model_dtype, batch_tokens, progress and ranks.lead,
+                                       device_map, offload_folder, ranks)
+            if tuple(source.aux_layer_ids) != tuple(ids) or int(source.hidden_size) != H:
+                raise ValueError(f"the source gives aux ids {source.aux_layer_ids} of width {source.hidden_size}, "
+                                 f"the capture wants {ids} of {H}")
+        except Exception as e:  # told to the other ranks, then raised
+            error = e
+    ranks.settle(error)
+    total = sum(lengths)
+    done_tokens = total - sum(shard_tokens.values())
+    teacher = _FullTeacher(target) if teacher_topk and mine else None
+    t0, captured, everyone = time.perf_counter(), 0, 0
+    kept = "; the finished shards are kept: rerun the same command, with any number of ranks, to go on"
+    # shard k+1 is captured while shard k is written (one writer thread, at most one shard waiting); the
+    # ranks meet after each of their shards (``rounds``) and once more when the last writes have finished
+    fields = "{tps} tok/s {bpt} B/token"
+    with (source if mine else contextlib.nullcontext()), \
+            Bar(progress and ranks.lead, "capture", total, completed=done_tokens, fields=fields) as bar, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        pending, new_bytes, new_tokens = None, 0, 0
+        for j in range(rounds + 1):
+            finished, error = [], None
+            try:
+                if j < len(mine):
+                    rows = [prep.examples[i] for i in plan[mine[j]]]
+                    shard = _capture_shard(rows, prep.splits, source, dtype, prep.block, len(ids), H, teacher,
+                                           teacher_topk)
+                    captured += sum(len(e.input_ids) for e in shard)
+                if pending is not None:
+                    finished.append(pending.result())
+                    pending = None
+                if j < len(mine):
+                    pending = pool.submit(writer.write_shard, mine[j], shard)
+            except Exception as e:  # told to the other ranks, then raised
+                error = e
+            replies = ranks.settle(error, suffix=kept, entries=finished, tokens=captured)
+            entries = [e for p in replies for e in p["entries"]]
+            if ranks.lead and ranks.distributed:
+                writer.add([e for p in replies[1:] for e in p["entries"]])
+            new_bytes, new_tokens = new_bytes + sum(e["bytes"] for e in entries), new_tokens + sum(
+                e["tokens"] for e in entries)
+            everyone = sum(p["tokens"] for p in replies)
+            bar.update(done_tokens + everyone, tps=f"{everyone / (time.perf_counter() - t0):,.0f}",
+                       bpt=f"{new_bytes / new_tokens:,.0f}" if new_tokens else "-")
+    elapsed = time.perf_counter() - t0
+    stored += new_bytes
+    return CaptureReport(out=str(writer.out), dtype=dtype, shards=len(plan), shards_written=len(todo),
+                         examples=len(prep.examples), tokens=total, bytes=stored,
+                         bytes_per_token=stored / max(total, 1), tokens_captured=everyone, capture_s=elapsed,
+                         tokens_per_s=everyone / elapsed if elapsed > 0 else 0.0, aux_layer_ids=list(ids))
+
+
+@dataclass
+class _Prepared:
+    header: dict[str, Any]
+    plan: list[list[int]]  # shard -> indices into ``examples``
+    examples: list[tuple[str, int]]  # (split, index): train first, then eval
+    lengths: list[int]
+    splits: dict[str, Any]
+    aux_layer_ids: list[int]
+    hidden: int
+    block: int
+    teacher_topk: int
+
+
+def _prepare(target: str, data: str, dtype: str, aux_layer_ids: Sequence[int] | None, max_tokens_per_shard: int | None,
+             block: int | None, teacher_topk: int, world: int) -> _Prepared:
+    """The checks of the inputs, the shard plan (the same for any number of ranks) and the header."""
     if dtype not in cache.DTYPES:
         raise UserError(f"unknown cache dtype '{dtype}': use one of {', '.join(cache.DTYPES)}")
     cfg = load_config_dict(target)
@@ -149,6 +262,9 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
                         "`outrider data` from conversations with assistant turns")
     splits["train"].check_tokenizer(load_tokenizer(target))
     examples = [(s, i) for s, ds in splits.items() for i in range(len(ds))]
+    if world > len(examples):
+        raise UserError(f"{world} ranks for {len(examples)} examples: start at most {len(examples)} "
+                        "(torchrun --nproc-per-node)")
     lengths = [len(splits[s].input_ids[i]) for s, i in examples]
     limit = int(max_tokens_per_shard or default_shard_tokens(H, len(ids), dtype))
     if limit < 1:
@@ -170,54 +286,28 @@ def capture_cache(target: str, data: str, out: str, dtype: str = "bf16", aux_lay
                             for s, ds in splits.items()}},
         "max_tokens_per_shard": limit, "shards": len(plan),
     }
-    writer = cache.CacheWriter(out, header)
-    todo = [k for k in range(len(plan)) if k not in writer.shards]
-    t0, captured = time.perf_counter(), 0
-    total = sum(lengths)
-    done_tokens = total - sum(lengths[i] for k in todo for i in plan[k])
-    if todo:
-        if source is None:
-            source = _model_source(target, ids, device, model_dtype, batch_tokens, progress, device_map,
-                                   offload_folder)
-        if tuple(source.aux_layer_ids) != tuple(ids) or int(source.hidden_size) != H:
-            raise ValueError(f"the source gives aux ids {source.aux_layer_ids} of width {source.hidden_size}, "
-                             f"the capture wants {ids} of {H}")
-        teacher = _FullTeacher(target) if teacher_topk else None
-        # shard k+1 is captured while shard k is written (one writer thread, at most one shard waiting)
-        fields = "{tps} tok/s {bpt} B/token"
-        with source, Bar(progress, "capture", total, completed=done_tokens, fields=fields) as bar, \
-                ThreadPoolExecutor(max_workers=1) as pool:
-            pending, new_bytes, new_tokens = None, 0, 0
-            for k in todo:
-                shard = _capture_shard([examples[i] for i in plan[k]], splits, source, dtype, block, len(ids), H,
-                                       teacher, teacher_topk)
-                if pending is not None:
-                    entry = pending.result()
-                    new_bytes, new_tokens = new_bytes + entry["bytes"], new_tokens + entry["tokens"]
-                pending = pool.submit(writer.write_shard, k, shard)
-                captured += sum(len(e.input_ids) for e in shard)
-                bar.update(done_tokens + captured, tps=f"{captured / (time.perf_counter() - t0):,.0f}",
-                           bpt=f"{new_bytes / new_tokens:,.0f}" if new_tokens else "-")
-            if pending is not None:
-                pending.result()
-    elapsed = time.perf_counter() - t0
-    stored = sum(e["bytes"] for e in writer.shards.values())
-    return CaptureReport(out=str(writer.out), dtype=dtype, shards=len(plan), shards_written=len(todo),
-                         examples=len(examples), tokens=total, bytes=stored, bytes_per_token=stored / max(total, 1),
-                         tokens_captured=captured, capture_s=elapsed,
-                         tokens_per_s=captured / elapsed if elapsed > 0 else 0.0, aux_layer_ids=ids)
+    return _Prepared(header, plan, examples, lengths, splits, ids, H, block, teacher_topk)
 
 
 def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any, batch_tokens: int | None,
-                  progress: bool, device_map: Any = None, offload_folder: str | None = None):
+                  progress: bool, device_map: Any = None, offload_folder: str | None = None,
+                  ranks: Ranks | None = None):
     from transformers.utils import logging as hf_logging
+
+    max_memory = None
+    if ranks is not None and ranks.distributed and device_map is not None:  # each rank on GPUs of its own
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device_map, max_memory = rank_placement(parse_device_map(device_map), ranks.local_rank, ranks.local_world,
+                                                gpus)
+        if offload_folder is not None:  # each rank offloads its own copy
+            offload_folder = str(Path(offload_folder) / f"rank-{ranks.rank}")
 
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:  # --quiet: not even transformers' bar while the weights load
         hf_logging.disable_progress_bar()
     try:
         model, _ = load_model(target, device=device, dtype=model_dtype, with_tokenizer=False, device_map=device_map,
-                              offload_folder=offload_folder)
+                              offload_folder=offload_folder, max_memory=max_memory)
     finally:
         if bars and not progress:
             hf_logging.enable_progress_bar()
