@@ -65,9 +65,14 @@ class Inputs:
     notes: list[str] = field(default_factory=list)
 
     def source(self, path: Path, kind: str, device: Any, date: Any, commit: Any) -> Source:
+        """The source of a record (one already listed when file, kind, device, date and commit agree)."""
         when = str(date) if date else None
         src = Source(len(self.sources) + 1, str(path), kind, str(device) if device else None,
                      when or _file_date(path), str(commit) if commit else None, date_from_file=not when)
+        same = [s for s in self.sources if (s.path, s.kind, s.device, s.date, s.commit) ==
+                (src.path, src.kind, src.device, src.date, src.commit)]
+        if same:
+            return same[0]
         self.sources.append(src)
         return src
 
