@@ -34,6 +34,7 @@ SECTIONS = {
     "sources": "Sources",
 }
 GENERATOR = "outrider report"
+SMOOTH_OVER = 100  # a training series longer than this is drawn faint, under its running mean
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;
 color:#1b1f24;padding:0 16px}
@@ -103,6 +104,16 @@ def _clock(run: Run) -> list[float]:
     return out
 
 
+def _running_mean(values: list[float], w: int) -> list[float]:
+    """The mean of each ``w`` consecutive values (``len(values) - w + 1`` of them)."""
+    out, total = [], sum(values[:w - 1])
+    for i in range(w - 1, len(values)):
+        total += values[i]
+        out.append(total / w)
+        total -= values[i - w + 1]
+    return out
+
+
 def _curves(run: Run, x_of: Callable[[dict[str, Any], int], float], xlabel: str) -> list[Panel]:
     train, evals = run.train, run.evals
     tx = [x_of(r, i) for i, r in enumerate(train)]
@@ -113,7 +124,12 @@ def _curves(run: Run, x_of: Callable[[dict[str, Any], int], float], xlabel: str)
     def series(label: str, xs: list[float], rows: list[dict[str, Any]], key: str, scale: float = 1.0,
                m: str = "o") -> list[Series]:
         pts = [(x, r[key] * scale) for x, r in zip(xs, rows) if isinstance(r.get(key), (int, float))]
-        return [Series(label, [x for x, _ in pts], [y for _, y in pts], marker=m)] if pts else []
+        x, y = [x for x, _ in pts], [y for _, y in pts]
+        if len(pts) <= SMOOTH_OVER:
+            return [Series(label, x, y, marker=m)] if pts else []
+        w = max(len(pts) // 40, 5)  # a running mean over about a fortieth of the run, the raw values beneath
+        return [Series(f"{label}, each step", x, y, marker="", faint=True),
+                Series(f"{label}, mean of {w} steps", x[w - 1:], _running_mean(y, w), marker="")]
 
     out = [Panel("loss", xlabel, "weighted soft cross-entropy",
                  series("train", tx, train, "loss", m=marker) + series("eval", ex, evals, "loss")),

@@ -34,6 +34,7 @@ class Series:
     marker: str = "o"
     linestyle: str = "-"
     yerr: Sequence[Sequence[float]] | None = None  # [lower offsets, upper offsets], as matplotlib takes them
+    faint: bool = False  # drawn thin and pale (raw values under their running mean)
 
 
 @dataclass
@@ -85,6 +86,8 @@ def panels(items: Sequence[Panel], fmt: str = "svg", ncols: int = 2, title: str 
         for s in p.series:
             if s.yerr is not None:
                 ax.errorbar(s.x, s.y, yerr=s.yerr, marker=s.marker, linestyle=s.linestyle, label=s.label, capsize=4)
+            elif s.faint:
+                ax.plot(s.x, s.y, linestyle=s.linestyle, label=s.label, linewidth=0.6, alpha=0.35)
             else:
                 ax.plot(s.x, s.y, marker=s.marker, linestyle=s.linestyle, label=s.label,
                         markersize=3 if len(s.x) > 30 else 5)
