@@ -99,7 +99,7 @@ def _clock(run: Run) -> list[float]:
     (tokens over tokens/s; with ``log_every`` > 1 that counts the logged steps only)."""
     out, total = [], 0.0
     for r in run.train:
-        total += r["tokens"] / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
+        total += r.get("tokens", 0) / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
         out.append(float(r["train_s"]) if "train_s" in r else total)
     return out
 
@@ -165,8 +165,9 @@ def _training(inputs: Inputs) -> list[str]:
               _num(last.get("walk_tau_k") if last else None, 3), _num(statistics.median(tps) if tps else None, 0),
               f"{100 * statistics.median(mfu):.1f}%" if mfu else "-", run.source.cite()]]))
         by_step = _curves(run, lambda r, i: float(r["step"]), "optimizer step")
-        body.append(_figure(lambda p=by_step: plots.panels(p), "training curves against optimizer steps",
-                            [run.source]))
+        if by_step:
+            body.append(_figure(lambda p=by_step: plots.panels(p), "training curves against optimizer steps",
+                                [run.source]))
 
         def seconds(r: dict[str, Any], i: int, clock=clock, at_step=at_step) -> float:
             if "train_s" in r:
@@ -174,8 +175,9 @@ def _training(inputs: Inputs) -> list[str]:
             return clock[i] if i >= 0 else at_step.get(r["step"], float("nan"))
 
         by_time = _curves(run, seconds, "training time (s)")
-        body.append(_figure(lambda p=by_time: plots.panels(p), "training curves against training time",
-                            [run.source]))
+        if by_time:
+            body.append(_figure(lambda p=by_time: plots.panels(p), "training curves against training time",
+                                [run.source]))
     return body
 
 
@@ -217,10 +219,8 @@ def _best(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def _speed(inputs: Inputs) -> list[str]:
-    spec = [(r, s) for r, s in inputs.bench if r.get("method") != "ar" and "speedup_vs_ar" in r]
-    if not spec and not inputs.plans:
-        return []
+def _speed_charts(inputs: Inputs, spec: list[tuple[dict[str, Any], Source]]) -> list[str]:
+    """Speedup and tau against k (measured chains, predicted rows); against batch over several sizes."""
     speed = Panel("speedup against k", "draft tokens per step (k)", "speedup vs autoregressive", hline=1.0)
     tau = Panel("tokens per round against k", "draft tokens per step (k)", "tau (tokens per target forward)")
     groups: dict[tuple, list[tuple[dict[str, Any], Source]]] = {}
@@ -258,8 +258,14 @@ def _speed(inputs: Inputs) -> list[str]:
                                               [r["speedup"] for r in best], marker="x", linestyle="--"))
         items.append(by_batch)
     sources = [s for _, s in spec] + [s for _, s in inputs.plans]
-    body = [_figure(lambda: plots.panels(items), "speedup and tau against k" + (" and batch" if len(items) > 2 else ""),
+    return [_figure(lambda: plots.panels(items), "speedup and tau against k" + (" and batch" if len(items) > 2 else ""),
                     sources)]
+
+
+def _speed(inputs: Inputs) -> list[str]:
+    spec = [(r, s) for r, s in inputs.bench if r.get("method") != "ar" and isinstance(r.get("k"), int)
+            and all(isinstance(r.get(x), (int, float)) for x in ("speedup_vs_ar", "tau"))]  # chains: trees have no k
+    body = _speed_charts(inputs, spec) if spec or inputs.plans else []
     if inputs.bench:
         body.append("<h3>Measured (bench records)</h3>")
         body.append(_table(
@@ -284,7 +290,8 @@ def _breakdown(inputs: Inputs) -> list[str]:
     verify step's named terms, collectives among them), each against the plain steps that would
     yield the same tokens; apart, as a CPU's milliseconds and a predicted GPU's do not share a scale."""
     measured = [(r, s) for r, s in inputs.bench if r.get("method") != "ar"
-                and all(isinstance(r.get(x), (int, float)) for x in ("verify_step_ms", "draft_step_ms", "ar_step_ms"))]
+                and all(isinstance(r.get(x), (int, float)) for x in ("verify_step_ms", "draft_step_ms", "ar_step_ms",
+                                                                      "tau"))]
     predicted = [(r, s) for rows, s in inputs.plans for r in sorted(_best(rows, "speedup"),
                                                                      key=lambda r: (r["batch"], r["method"]))]
     body = []
