@@ -48,13 +48,15 @@ def _conversations(path: Path, n: int = 30, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """A training run (TensorBoard on), bench records of its head and of n-gram, a plan and a training
+    """A training run (TensorBoard on, stopped and resumed), bench records of its head and of n-gram, a plan and a training
     plan from them: every input kind, through the real code paths."""
     root = tmp_path_factory.mktemp("report")
     target = str(save_tiny("llama", root / "tiny"))
     build_dataset(target, str(_conversations(root / "conv.json")), str(root / "data"), eval_fraction=0.2,
                   progress=False)
-    train(target, str(root / "data"), str(root / "run"), config=CFG, progress=False, report_to="tensorboard")
+    for resume in (False, True):  # stopped at step 5, resumed to the end: two event files
+        train(target, str(root / "data"), str(root / "run"), config=CFG, progress=False, report_to="tensorboard",
+              max_steps=None if resume else 5, resume=resume)
     (root / "prompts.txt").write_text("w5 w6 w7 w8\nw10 w12 w14\n")
     common = dict(num_prompts=2, max_new_tokens=12, prompts=str(root / "prompts.txt"))
     records = [bench(target, "eagle3", draft=str(root / "run" / "head"), k=k, **common) for k in (2, 3)]
@@ -221,11 +223,13 @@ def test_tensorboard_events_hold_the_metrics_jsonl_values(made):
             for tag, value in ([(f"{r['type']}/{key}", v)] if not isinstance(v, list)
                                else [(f"{r['type']}/{key}/{i}", x) for i, x in enumerate(v)]):
                 expected.setdefault(tag, {})[r["step"]] = value
+    assert len(list((made / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 2
     assert tags == set(expected)
     assert {"train/loss", "train/sim_tau_k", "train/tokens_per_s", "eval/walk_tau_k", "train/per_step_acc/2"} <= tags
     for tag, by_step in expected.items():
-        got = {e.step: e.value for e in acc.Scalars(tag)}
-        assert got.keys() == by_step.keys(), tag
+        events = acc.Scalars(tag)
+        got = {e.step: e.value for e in events}
+        assert got.keys() == by_step.keys() and len(events) == len(by_step), tag  # no step twice
         for step, value in by_step.items():
             assert got[step] == pytest.approx(value, rel=1e-6, abs=1e-6), (tag, step)
 
