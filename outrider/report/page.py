@@ -159,7 +159,7 @@ def _training(inputs: Inputs) -> list[str]:
         body.append(_table(
             ["target", "preset", "steps logged", "last step", "training time (s)", f"best simulated tau@{k}",
              "at step", f"last walked tau@{k}", "median tokens/s", "median MFU", "source"],
-            [[run.config.get("target", "-"), run.config.get("preset") or "custom", len(steps),
+            [[run.config.get("target", "-"), run.config.get("preset") or ("custom" if run.config else "-"), len(steps),
               steps[-1] if steps else "-", _num(clock[-1] if clock else None, 0),
               _num(best.get("sim_tau_k") if best else None, 3), best["step"] if best else "-",
               _num(last.get("walk_tau_k") if last else None, 3), _num(statistics.median(tps) if tps else None, 0),
@@ -393,7 +393,7 @@ def render(inputs: Inputs) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f'<meta name="generator" content="{GENERATOR}"><title>outrider report</title>'
             f"<style>{STYLE}</style></head><body>\n<h1>outrider report</h1>\n"
-            f"<p class=\"cite\">written {today()} from {len(inputs.sources)} record(s); [n] numbers the sources "
+            f"<p class=\"cite\">written {today()} from {len(inputs.sources)} source(s); [n] numbers the sources "
             f"table at the end: device · date · commit.</p>\n<nav>{nav}</nav>\n{notes}\n"
             + "\n".join(_section(key, body) for key, body in built) + "\n</body></html>\n")
 
