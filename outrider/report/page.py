@@ -270,10 +270,11 @@ def _speed(inputs: Inputs) -> list[str]:
         body.append("<h3>Measured (bench records)</h3>")
         body.append(_table(
             ["method", "k", "batch", "prompts", "tau", "tokens/s", "AR tokens/s", "speedup", "decode speedup",
-             "lossless", "dtype", "source"],
+             "lossless (verdict)", "dtype", "source"],
             [[r["method"], r.get("k", "-"), r.get("batch_size", 1), r.get("num_prompts", "-"), _num(r.get("tau"), 3),
               _num(r.get("tokens_per_s"), 1), _num(r.get("ar_tokens_per_s"), 1), _num(r.get("speedup_vs_ar"), 3),
-              _num(r.get("decode_speedup_vs_ar"), 3), _num(r.get("lossless")), r.get("dtype", "-"), s.cite()]
+              _num(r.get("decode_speedup_vs_ar"), 3), r.get("verdict") or _num(r.get("lossless")), r.get("dtype", "-"),
+              s.cite()]
              for r, s in inputs.bench], left=1))
     for rows, src in inputs.plans:
         body.append(f"<h3>Predicted: best k per method and batch ({_e(src.path)})</h3>")
