@@ -126,7 +126,8 @@ def test_a_demo_folder_gives_its_run_and_bench_sections(made, tmp_path):
 def test_records_without_a_k_or_with_gaps_are_tabled_not_charted(made, tmp_path):
     tree = dict(json.loads((made / "bench.json").read_text())[0])  # a tree record names no k
     del tree["k"]
-    tree.update(topk=2, steps=3, draft_tokens=6, verify_step_ms=None, verdict="equal up to 1 near-ties (largest margin 0.03)")
+    tree.update(topk=2, steps=3, draft_tokens=6, verify_step_ms=None,
+                verdict="equal up to 1 near-ties (largest margin 0.03)")
     (tmp_path / "tree.json").write_text(json.dumps([tree]))
     out = tmp_path / "r.html"
     page.write_report([str(tmp_path / "tree.json")], out)
