@@ -48,8 +48,8 @@ def _conversations(path: Path, n: int = 30, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """A training run (TensorBoard on, stopped and resumed), bench records of its head and of n-gram, a plan and a training
-    plan from them: every input kind, through the real code paths."""
+    """A training run (TensorBoard on, stopped and resumed), bench records of its head and of n-gram,
+    a plan and a training plan from them: every input kind, through the real code paths."""
     root = tmp_path_factory.mktemp("report")
     target = str(save_tiny("llama", root / "tiny"))
     build_dataset(target, str(_conversations(root / "conv.json")), str(root / "data"), eval_fraction=0.2,

@@ -44,7 +44,8 @@ class Source:
 
     def cite(self) -> str:
         date = (self.date or "?") + (" (file)" if self.date_from_file else "")
-        return f"[{self.index}] {self.device or 'device not recorded'} · {date} · {self.commit or 'commit not recorded'}"
+        device, commit = self.device or "device not recorded", self.commit or "commit not recorded"
+        return f"[{self.index}] {device} · {date} · {commit}"
 
 
 @dataclass

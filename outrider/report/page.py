@@ -299,7 +299,8 @@ def _breakdown(inputs: Inputs) -> list[str]:
     marks_name = "AR steps for the same tokens (break-even)"
     if measured:
         labels = [_label(r, s) for r, s in measured]
-        stacks = {"draft": [r["draft_step_ms"] for r, _ in measured], "verify": [r["verify_step_ms"] for r, _ in measured]}
+        stacks = {"draft": [r["draft_step_ms"] for r, _ in measured],
+                  "verify": [r["verify_step_ms"] for r, _ in measured]}
         marks = {"one AR step": [r["ar_step_ms"] for r, _ in measured],
                  marks_name: [r["ar_step_ms"] * r["tau"] for r, _ in measured]}
         body.append(_figure(lambda: plots.stacked_bars(labels, stacks, "ms per round", "measured rounds", marks),
@@ -359,8 +360,8 @@ def _train_plan(inputs: Inputs) -> list[str]:
             tokens = (plan.get("sizes") or {}).get("train_tokens")
             pts = tau.get("points") or []
             tau_panel = Panel(f"expected tau@{tau.get('k', 5)} against training tokens", "training tokens (M)",
-                              "tau", [Series("measured heads", [p["tokens"] / 1e6 for p in pts], [p["tau"] for p in pts],
-                                             linestyle="")])
+                              "tau", [Series("measured heads", [p["tokens"] / 1e6 for p in pts],
+                                             [p["tau"] for p in pts], linestyle="")])
             if tokens:
                 tau_panel.series.append(Series("this plan (range)", [tokens / 1e6], [central],
                                                yerr=[[central - low], [high - central]], marker="s", linestyle=""))
