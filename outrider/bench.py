@@ -7,7 +7,9 @@ the same prompts with plain autoregressive decoding (our engine, and optionally 
 writes a JSON list of records atomically; when that file cannot be written, to a temporary file
 that the one-line error names) with at least: method, k, num_prompts, new_tokens, tau,
 accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
-``lossless`` is only claimed for greedy runs: every output equals the autoregressive output.
+Greedy runs carry the lossless verdict (``verdict.py``): ``exact``, equal up to near-ties
+whose margins are within the measured rounding of the dtype, or ``NO`` with the first mismatch;
+``lossless`` is false only for ``NO``.
 ``tau`` is the tokens a verify step emits per row (at most k+1, and a step cut by EOS or
 max_new_tokens counts what it emitted). Prompt files are plain text (one per line) or a JSON list
 of strings; a conversation file is refused. Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
@@ -48,18 +50,26 @@ from outrider.errors import UserError, require
 from outrider.fsutil import write_json_output
 from outrider.models import load_model
 from outrider.progress import Bar
+from outrider.verdict import judge
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit, or None outside a git checkout (an installed package)."""
+    """The checkout's short commit, with ``-dirty`` when tracked files differ from it (a copied tree
+    beside an older ``.git``, uncommitted edits); None outside a git checkout (an installed package)."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    if not commit:
+        return None
+    return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
@@ -319,6 +329,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])
     agree = min(sum(a == b for a, b in zip(ar_out, out)) for _, (out, _, _) in passes)
+    verdict = (judge(model, prompt_ids, ar_out, [out for _, (out, _, _) in passes], k if proposer else 0)
+               if sampling.greedy else None)
     pair_speedups = [(sum(map(len, so)) / ss) / (sum(map(len, ao)) / as_) for (ao, as_, _), (so, ss, _) in passes]
     pair_decode = [_merge(sr)["decode_tokens_per_s"] / _merge(ar_r)["decode_tokens_per_s"]
                    for (_, _, ar_r), (_, _, sr) in passes]
@@ -345,7 +357,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         # row: the tau of any subset of the prompts, row_steps-weighted, without another run
         "tau_per_batch": [r.tau for r in sp_res],
         "row_steps_per_batch": [r.row_steps for r in sp_res],
-        "lossless": (agree == len(ar_out)) if sampling.greedy else None,
+        **(verdict.record() if verdict is not None else {"verdict": None, "lossless": None}),
         "greedy_agreement": agree / len(ar_out) if sampling.greedy else None,
         "repeated_4grams": sum(r for r, _ in reps) / max(sum(t for _, t in reps), 1),  # of the AR outputs
         "ar_step_ms": ar_m["step_ms"],
@@ -392,6 +404,18 @@ def _write_record(json_path: str, record: dict[str, Any]) -> None:
                         f"{fallback}") from None
 
 
+def verdict_cell(record: dict[str, Any]) -> str:
+    """The lossless column: exact, ties N, NO, - (sampled), or reference (the plain decoding row)."""
+    if record.get("method") == "ar":
+        return "reference"
+    text = record.get("verdict")
+    if text is None:
+        return "-" if record.get("lossless") is None else ("yes" if record["lossless"] else "NO")
+    if text == "exact" or text.startswith("NO"):
+        return text.split(":")[0]
+    return f"ties {record.get('near_ties')}"
+
+
 def print_table(records: list[dict[str, Any]], console) -> None:
     from rich.table import Table
 
@@ -400,13 +424,16 @@ def print_table(records: list[dict[str, Any]], console) -> None:
         table.add_column(col, justify="right")
     for r in records:
         acc = " ".join(f"{a:.2f}" for a in r["accept_rate_per_pos"]) or "-"
-        lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
+        lossless = verdict_cell(r)
         table.add_row(r["method"], str(r["k"]), f"{r['tau']:.2f}", acc, f"{r['tokens_per_s']:.1f}",
                       f"{r['ar_tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x", lossless,
                       f"{r['repeated_4grams']:.0%}" if "repeated_4grams" in r else "-")
     console.print(table)
     console.print("repeats: the share of the plain greedy outputs' 4-grams seen earlier in the same text "
                   "(looping text is easy to draft)")
+    for r in records:
+        if r.get("verdict") not in (None, "exact"):
+            console.print(f"{r['method']} k={r['k']}: lossless {r['verdict']}")
     for r in records:
         if "hf_tokens_per_s" in r:
             console.print(f"transformers generate: {r['hf_tokens_per_s']:.1f} tok/s; "

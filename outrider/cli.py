@@ -96,6 +96,20 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from outrider.outputs import check_file
 
     check_file(a.json, "bench")
+    if a.server or a.compare:
+        from outrider.served.command import bench_served, compare_files
+
+        if a.compare:
+            compare_files(a.compare[0], a.compare[1], console=_console(a.json), json_path=a.json)
+            return 0
+        label = a.method if a.method != "ar" else ("eagle3" if a.draft else "speculative")
+        bench_served(a.server, a.concurrency, prompts=a.prompts, num_prompts=a.num_prompts,
+                     max_new_tokens=a.max_new_tokens, model=a.server_model, baseline=a.baseline_server,
+                     baseline_model=a.baseline_server_model, temperature=a.temperature, seed=a.seed if a.temperature else None,
+                     timeout=a.timeout, method=label, target=a.target, draft=a.draft, k=a.k, device=a.device,
+                     dtype=a.dtype, json_path=a.json, console=_console(a.json),
+                     log=None if a.quiet else lambda line: print(line, file=sys.stderr))
+        return 0
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
@@ -285,8 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
     runtime(sp)
     sp.set_defaults(fn=cmd_generate)
 
-    sp = sub.add_parser("bench", help="acceptance and speed against the autoregressive baseline")
-    sp.add_argument("target")
+    sp = sub.add_parser("bench", help="acceptance and speed against the autoregressive baseline, or of a server")
+    sp.add_argument("target", nargs="?", default=None,
+                    help="the target (with --server: optional, to compare served outputs and tau with ours)")
+    served = sp.add_argument_group("a served engine (any OpenAI-compatible endpoint)")
+    served.add_argument("--server", default=None, metavar="URL", help="measure this server instead of our engine")
+    served.add_argument("--baseline-server", default=None, metavar="URL",
+                        help="a plain (non-speculative) server of the same target: speedup per concurrency")
+    served.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
+                        help="speedup of served run A over served run B (no server needed)")
+    served.add_argument("--server-model", default=None,
+                        help="the model name to request (default: the first the server lists)")
+    served.add_argument("--baseline-server-model", default=None,
+                        help="the baseline server's model name (default: --server-model)")
+    served.add_argument("--concurrency", type=int_list(1, 4096, what="concurrency levels"), default=[1, 4, 16, 64],
+                        help="requests in flight, one level after another (default 1,4,16,64)")
+    served.add_argument("--timeout", type=FloatRange(0, open_lo=True), default=60.0, metavar="S",
+                        help="seconds to wait for any reply data (connect, first token, between chunks) before a "
+                             "request counts as stalled (default 60)")
     decoding(sp)
     sp.add_argument("--num-prompts", type=POSITIVE, default=10)
     sp.add_argument("--batch-size", type=POSITIVE, default=1)

@@ -221,10 +221,21 @@ def _check_plan(a: argparse.Namespace) -> None:
                         f"[1, {a.tau_k + 1}] (at most k drafts plus one)")
 
 
+def _check_bench(a: argparse.Namespace) -> None:
+    if a.compare and a.server:
+        raise UserError("--compare reads two earlier runs and --server measures a new one: give only one")
+    if a.baseline_server and not a.server:
+        raise UserError("--baseline-server needs --server (the speculative deployment to compare with it)")
+    if a.target is None and not (a.server or a.compare):
+        raise UserError("bench needs a target T (our engine), or --server URL (a served engine)")
+
+
 def check_args(a: argparse.Namespace) -> None:
     """The verb's checks that join several flags or look at an input's kind (``UserError``)."""
-    if a.verb in ("generate", "bench"):
-        _check_decoding(a)
+    if a.verb == "bench":
+        _check_bench(a)
+    if a.verb == "generate" or (a.verb == "bench" and not (a.server or a.compare)):
+        _check_decoding(a)  # a served run's --method names what the server runs; its --draft is optional
     elif a.verb == "plan":
         _check_plan(a)
 

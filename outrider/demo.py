@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.bench import bench, print_table
+from outrider.bench import bench, print_table, verdict_cell
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.sampling import SamplingParams, derived_seed
@@ -48,10 +48,12 @@ class DemoSize:
 SIZES = {
     # a 2-core CPU: about 20 minutes in all
     "quick": DemoSize(first=160, later=0, regen_tokens=96, max_length=384, bench_prompts=6, bench_tokens=48, k=5),
-    # one H200: the first and later exchanges, 4 minutes of training, the 30 held-out benchmark
-    # prompts; about 12 minutes in all (most of the rest is regeneration and compilation)
-    "full": DemoSize(first=6000, later=4000, regen_tokens=256, max_length=1024, bench_prompts=30, bench_tokens=128,
-                     k=5, train_budget_s=240.0),
+    # one H200: every first exchange of the training split (about 10,800) and 9,000 later ones
+    # (about 28,000 replies regenerated), the full preset's 8 minutes of training, the 30 held-out
+    # prompts; about 20 minutes in all. Sized from the H200 runs in benchmarks/RESULTS.md ("The
+    # GPU demo": acceptance against regenerated exchanges and minutes of training).
+    "full": DemoSize(first=11000, later=9000, regen_tokens=256, max_length=1024, bench_prompts=30,
+                     bench_tokens=128, k=5),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
@@ -114,7 +116,7 @@ def demo(preset: str | None = None, out: str = "outrider-demo", console=None) ->
         atomic_write_json(source, sharegpt.training_exchanges(corpus, size.first, size.later))
         build_dataset("default", str(source), str(data_dir), max_length=size.max_length, regenerate=True,
                       max_new_tokens=size.regen_tokens,
-                      generate_fn=engine_generate_fn(model, eos, batch_size=64 if cuda else 16, graphs=cuda),
+                      generate_fn=engine_generate_fn(model, eos, batch_size=128 if cuda else 16, graphs=cuda),
                       progress=True)
     else:
         console.print(f"reusing {data_dir}")
@@ -201,7 +203,8 @@ def ar_record(paired: dict[str, Any]) -> dict[str, Any]:
     """The plain decoding row, from the AR passes measured beside a method (``paired``): its speed
     and step costs, none of the method's own figures."""
     own = {"decode_speedup_vs_ar", "speedup_per_pass", "propose_step_ms", "prompt_draft_ms", "prefill_ms", "step_ms",
-           "draft", "tau_per_batch", "row_steps_per_batch", "greedy_agreement"}
+           "draft", "tau_per_batch", "row_steps_per_batch", "greedy_agreement", "verdict", "near_ties",
+           "largest_margin", "near_tie_bound", "first_mismatch"}
     ar = {key: value for key, value in paired.items() if key not in own}
     ar.update(method="ar", k=0, tau=1.0, accept_rate_per_pos=[], tokens_per_s=paired["ar_tokens_per_s"],
               speedup_vs_ar=1.0, decode_speedup_vs_ar=1.0, speedup_per_pass=[1.0], lossless=True,
@@ -216,11 +219,12 @@ def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float]
              "| method | k | tau | tokens/s | speedup vs AR (end to end) | decode speedup | lossless |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
-        lossless = "-" if r.get("lossless") is None else ("yes" if r["lossless"] else "NO")
+        lossless = verdict_cell(r)
         decode = r.get("decode_speedup_vs_ar", r["speedup_vs_ar"])
         lines.append(f"| {r['method']} | {r['k']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_ar']:.2f}x | {decode:.2f}x | {lossless} |")
     dev = records[0].get("device", "?")
+    lines += [""] + [f"lossless, {r['method']} k = {r['k']}: {r['verdict']}" for r in records if r.get("verdict")]
     lines += ["", f"device: {dev}, dtype {records[0].get('dtype', '?')}, commit {records[0].get('git_commit') or '-'}",
               "stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), export_note, ""]
     if dev == "cpu":
@@ -247,7 +251,7 @@ def cpu_explanation(eagle: dict[str, Any], bench_path: Path) -> list[str]:
     if best is not None:
         lines.append(f"The planner predicts {best.speedup:.2f}x at batch 1 on one H200 for this head's acceptance "
                      f"(k = {best.k}; `outrider plan default --hardware h200 --acceptance {bench_path}`). On a CUDA "
-                     "machine `outrider demo` trains a better head on 10,000 exchanges and measures its speed-ups "
+                     "machine `outrider demo` trains a better head on about 20,000 exchanges and measures its speed-ups "
                      "(benchmarks/RESULTS.md).")
     return lines
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import inspect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -537,3 +538,9 @@ def tokenizer_fingerprint(folder: str | Path) -> dict[str, Any]:
     if template is not None:
         out["chat_template_sha256"] = _sha(template)
     return out
+
+
+def cache_parameter(fn: Any) -> str:
+    """The name under which this transformers version's ``fn`` (a model's ``forward``, the mask
+    builders) takes the cache: ``cache`` in recent 5.x releases, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"

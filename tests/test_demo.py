@@ -61,3 +61,18 @@ def test_training_exchanges_hold_out_benchmark_prompts(tmp_path):
     out = sharegpt.training_exchanges(corpus, first=5, later=5)
     assert [r["id"] for r in out] == [kept_id + "x", kept_id + "x#2"]
     assert [len(r["conversations"]) for r in out] == [2, 4]
+
+
+def test_the_summary_shows_each_rows_lossless_verdict(tmp_path):
+    from outrider.demo import _summary
+    from outrider.verdict import Verdict
+
+    paired = _record([0.6, 0.4], verify_ms=1.4, draft_ms=0.3, k=2)
+    paired.update(ar_tokens_per_s=20.0, tokens_per_s=30.0, speedup_vs_ar=1.5, device="NVIDIA H100",
+                  dtype="bfloat16", **Verdict("near-ties", 3, 0.125, 1.0).record())
+    ngram = dict(paired, method="ngram", **Verdict("NO", 0, None, 1.0, {"prompt": 2, "token": 9, "margin": 6.5}).record())
+    text = _summary("full", [ar_record(paired), ngram, paired], {"bench": 1.0}, "exported", tmp_path / "b.json")
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[1].endswith("| reference |") and rows[2].endswith("| NO |") and rows[3].endswith("| ties 3 |")
+    assert "lossless, ngram k = 2: NO: prompt 2, token 9, margin 6.5" in text
+    assert "lossless, eagle3 k = 2: equal up to 3 near-ties (largest margin 0.125, bound 1)" in text

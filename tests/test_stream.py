@@ -211,3 +211,17 @@ def test_plan_passes_and_chunks():
     assert [c.examples for c in packed] == [(1, 3), (2, 0, 4)] and packed[1].width == 9 and packed[1].rows == 1
     tight = plan_chunks([4, 4, 4], packed=False, max_tokens=100, max_bytes=8 * (10 + 4), per_token=10, per_key=1)
     assert [c.examples for c in tight] == [(0, 1), (2,)]
+
+
+def test_cache_parameter_follows_the_transformers_release():
+    """The streamed layers and the verdict pass the cache under the name this release takes
+    (``cache`` in recent 5.x, ``past_key_values`` in 5.17, which the lent GPU machines run)."""
+    from outrider.models import cache_parameter
+
+    def recent(inputs_embeds, cache=None):
+        return cache
+
+    def older(inputs_embeds, past_key_values=None):
+        return past_key_values
+
+    assert cache_parameter(recent) == "cache" and cache_parameter(older) == "past_key_values"

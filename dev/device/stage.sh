@@ -4,8 +4,10 @@
 # Prepared here by `bash dev/device/prepare.sh` (git-ignored .dev/ and .whl/).
 #   call 1: bash dev/device/stage.sh 1     (carry .dev/stage1)
 #   call 2: bash dev/device/stage.sh 2     (carry .dev/stage2 .whl), within 30 s of call 1
-# After call 2 the machine holds what `outrider pull` holds on a networked machine, pulled by
-# `outrider pull --from /tmp/src`, and the `outrider` command.
+# Call 2 copies the tree to /tmp/tree (the next device call removes the one it ran in) and installs
+# outrider from there: run gpu_run.sh from /tmp/tree. After call 2 the machine holds what
+# `outrider pull` holds on a networked machine, pulled by `outrider pull --from /tmp/src`, and the
+# `outrider` command.
 set -euo pipefail
 mkdir -p /tmp/src
 case "$1" in
@@ -15,6 +17,7 @@ case "$1" in
    cat /tmp/src/gguf.part00 .dev/stage2/gguf.part01 > /tmp/src/SmolLM2-135M-Instruct.Q4_1.gguf
    rm /tmp/src/gguf.part00
    xz -dc .dev/stage2/sharegpt.json.xz > /tmp/src/ShareGPT_V3_unfiltered_cleaned_split.json
+   rm -rf /tmp/tree; mkdir -p /tmp/tree; cp -a . /tmp/tree; cd /tmp/tree
    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
    export PYTHONPATH=/tmp/site

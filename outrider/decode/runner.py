@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +50,7 @@ from outrider.decode.graphs import (
     graphable,
 )
 from outrider.decode.kv_cache import SlotCache
-from outrider.models import AuxCapture
+from outrider.models import AuxCapture, cache_parameter
 
 
 def prefill_graphs_apply(model: torch.nn.Module, batch: int, width: int) -> bool:
@@ -62,8 +61,7 @@ def prefill_graphs_apply(model: torch.nn.Module, batch: int, width: int) -> bool
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which this transformers version's ``forward`` takes the cache."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return cache_parameter(model.forward)
 
 
 def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -9,7 +9,8 @@ Contract:
   --json``), ``vllm_metrics`` (vLLM's Prometheus counters ``vllm:spec_decode_num_drafts``,
   ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos{position=i}``, as scraped text
   or as numbers) and ``sglang_metrics`` (``sglang:spec_accept_length`` / server info's
-  ``avg_spec_accept_length``), each with its ``method`` and ``k``. The older keys
+  ``avg_spec_accept_length``), each with its ``method`` and ``k``; or the list of records
+  ``outrider bench --server --json`` writes (``plan.served_records``). The older keys
   ``single_stream_tokens_per_s`` and ``allreduce_share`` mean batch-1 decode and share.
 - ``fit_profile(shape, hw, tp, measured)`` fits the profile's free parameters: collectives per
   layer (from the count), per-collective latency and, with shares at two or more batch sizes, the
@@ -36,6 +37,8 @@ from outrider.fsutil import read_json
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
+from outrider.plan.served_records import is_served
+from outrider.plan.served_records import measurements as served_measurements
 
 KEYS = ("decode_tokens_per_s", "collective_share", "collectives_per_token", "tp", "context", "source",
         "acceptance", "vllm_metrics", "sglang_metrics", "single_stream_tokens_per_s", "allreduce_share")
@@ -169,6 +172,8 @@ def acceptance_from_sglang(spec: Mapping[str, Any], origin: str = "sglang_metric
 
 
 def read_measured(data: Any, origin: str = "measured", base: Path | None = None) -> Measured:
+    if is_served(data):  # the records of `outrider bench --server --json`
+        data = served_measurements(data, origin)
     if not isinstance(data, Mapping):
         raise UserError(f"{origin}: measurements must be a JSON object (keys: {', '.join(KEYS[:9])})")
     unknown = sorted(set(data) - set(KEYS))
@@ -232,9 +237,12 @@ def measured_from(path: str | None, decode: Mapping[int, float] | None = None,
     """A file's measurements with values given one by one (command-line flags) over them, batch by batch."""
     if decode is None and share is None and count is None:
         return path
-    data = dict(measured_json(path)) if path else {}
+    data = measured_json(path) if path else {}
+    if path and is_served(data):
+        data = served_measurements(data, Path(path).name)
     if not isinstance(data, dict):
         raise UserError(f"{path}: measurements must be a JSON object")
+    data = dict(data)
     for key, given in (("decode_tokens_per_s", decode), ("collective_share", share)):
         if given is not None:  # batch by batch over the file's
             old = data.get(key, {})

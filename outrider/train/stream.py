@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.models import check_aux_ids, parse_dtype, read_json_object, resolve
+from outrider.models import cache_parameter, check_aux_ids, parse_dtype, read_json_object, resolve
 from outrider.train.datasets import consecutive_groups
 from outrider.train.int4 import Int4Scheme
 from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
@@ -480,6 +480,7 @@ class StreamedTarget:
         """Embedding (layer -1) or decoder layer ``layer`` over every chunk of the pass."""
         from transformers.masking_utils import create_causal_mask
 
+        no_cache = {cache_parameter(create_causal_mask): None}
         timing, cuda = loaded.timing, self.device.type == "cuda"
         t0 = time.perf_counter()
         if cuda:
@@ -499,8 +500,8 @@ class StreamedTarget:
                 if j == layer:
                     run.put_aux(c, k, h)
             pos = run.positions[c]  # [1, width]
-            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=run.masks[c], cache=None,
-                                      position_ids=pos)
+            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=run.masks[c],
+                                      position_ids=pos, **no_cache)
             h = module(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos))
             if layer == self.num_layers - 1:
                 run.put_final(c, self.norm(h))
