@@ -25,6 +25,7 @@ from outrider.train import logs
 from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train
 
+SERVED = Path(__file__).parents[1] / "benchmarks" / "results" / "served" / "transformers-serve-cpu-4x32.json"
 CFG = TrainConfig(steps=8, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=8, eval_examples=6, log_every=1,
                   aux_layer_ids=(1, 2, 3))
@@ -78,12 +79,13 @@ def _svgs(section: str) -> list[bytes]:
 
 def test_page_holds_every_section_the_inputs_allow(made, tmp_path):
     out = tmp_path / "report.html"
-    paths = [made / "run", made / "bench.json", made / "plan.json", made / "tplan.json"]
+    paths = [made / "run", made / "bench.json", made / "plan.json", made / "tplan.json", SERVED]  # SERVED: a
+    # real `bench --server` record against `transformers serve`, per concurrency
     assert cli_main(["report", *map(str, paths), "--out", str(out)]) == 0
     text = out.read_text()
     sections = _sections(text)
     assert list(sections) == list(page.SECTIONS)  # every section, in order
-    for key in ("training", "acceptance", "speed", "breakdown", "train-plan"):
+    for key in ("training", "acceptance", "speed", "served", "breakdown", "train-plan"):
         figures = _svgs(sections[key])
         assert figures and all(f.lstrip().startswith(b"<?xml") and b"<svg" in f for f in figures), key
     assert len(_svgs(sections["training"])) == 2  # against steps, against training time
@@ -107,7 +109,10 @@ def test_page_holds_every_section_the_inputs_allow(made, tmp_path):
     tplan = json.loads((made / "tplan.json").read_text())
     assert all(s["stage"] in sections["train-plan"] for s in tplan["stages"])
     assert f"{tplan['tau']['central']:.2f}" in sections["train-plan"]
-    assert sections["sources"].count("<tr>") == 1 + 4  # the header, then one row per file
+    assert sections["sources"].count("<tr>") == 1 + 5  # the header, then one row per file
+    for r in json.loads(SERVED.read_text()):
+        assert f"<td>{r['tokens_per_s']:,.1f}</td>" in sections["served"]
+    assert "no acceptance counters" in sections["served"]
     # self-contained: nothing to fetch, no script
     assert not re.search(r'(src|href)="(?!data:|#)', text) and "<script" not in text
 

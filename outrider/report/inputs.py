@@ -7,7 +7,8 @@ kind, the device, date and commit it states: ``None`` where the record does not 
   ``metrics.jsonl`` (``.gz``) file itself. A line that is not a JSON object is refused (one line
   naming file and line), except the last line, which a run killed mid-write leaves cut: it is
   skipped and a note says so;
-- bench records (``outrider bench --json``: a list of objects with ``method`` and ``tau``);
+- bench records (``outrider bench --json``: a list of objects with ``method`` and ``tau``), served
+  ones among them (``bench --server``: ``kind: served``, a record per concurrency);
 - a plan's rows (``outrider plan --json``: objects with ``method``, ``k``, ``batch``, ``speedup``);
 - a training plan (``outrider plan --train --json``: an object with ``stages`` and ``sizes``);
 - a demo folder (``outrider demo --out``): its ``train/`` run and its ``bench.json``.
@@ -60,6 +61,7 @@ class Run:
 class Inputs:
     runs: list[Run] = field(default_factory=list)
     bench: list[tuple[dict[str, Any], Source]] = field(default_factory=list)
+    served: list[tuple[dict[str, Any], Source]] = field(default_factory=list)  # ``bench --server``, per concurrency
     plans: list[tuple[list[dict[str, Any]], Source]] = field(default_factory=list)
     train_plans: list[tuple[dict[str, Any], Source]] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
@@ -158,7 +160,11 @@ def _add_file(inputs: Inputs, path: Path) -> None:
         data = [data]
     if _is_records(data, "method", "tau"):
         for r in data:
-            inputs.bench.append((r, inputs.source(path, "bench", r.get("device"), r.get("date"), r.get("git_commit"))))
+            served = r.get("kind") == "served"
+            device = f"{r.get('engine', '?')} {r.get('engine_version') or ''} at {r.get('server', '?')}" if served \
+                else r.get("device")
+            src = inputs.source(path, "served" if served else "bench", device, r.get("date"), r.get("git_commit"))
+            (inputs.served if served else inputs.bench).append((r, src))
     elif _is_records(data, "method", "k", "batch", "speedup"):
         first = data[0]
         inputs.plans.append((data, inputs.source(path, "plan", _plan_device(first), first.get("date"),

@@ -4,9 +4,9 @@ Contract: ``render(inputs)`` returns the page; ``write_report(paths, out)`` load
 renders and writes the page atomically (``fsutil``), and returns the notes it printed on it.
 Sections appear only when the inputs allow them (their ids are ``SECTIONS``' keys): training
 curves against steps and training time, acceptance per draft position, speedup and tau against k
-(and batch), the step-time breakdown, the training plan, and the sources. Every table row and
-every chart caption cites its records as ``[n] device · date · commit``, ``n`` numbering the
-sources table. Charts are SVG images inlined as ``data:`` URIs (``report.plots``); the page loads
+(and batch), served throughput and latency against concurrency, the step-time breakdown, the
+training plan, and the sources. Every table row and every chart caption cites its records as
+``[n] device · date · commit``, ``n`` numbering the sources table. Charts are SVG images inlined as ``data:`` URIs (``report.plots``); the page loads
 nothing from the network, runs no script and has no external style. Without matplotlib the page
 keeps its tables and says, in each chart's place, that charts need it.
 """
@@ -29,6 +29,7 @@ SECTIONS = {
     "training": "Training curves",
     "acceptance": "Acceptance per draft position",
     "speed": "Speedup and tau against k and batch",
+    "served": "Served: throughput and latency against concurrency",
     "breakdown": "Where a round's time goes",
     "train-plan": "Training plan",
     "sources": "Sources",
@@ -286,6 +287,47 @@ def _speed(inputs: Inputs) -> list[str]:
     return body
 
 
+def _served(inputs: Inputs) -> list[str]:
+    """``bench --server`` records: tokens/s, TTFT and ITL against concurrency, a line per role
+    (server, baseline), engine and method; served tau where the engine counts acceptance."""
+    if not inputs.served:
+        return []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r, s in inputs.served:  # a line per file, role, engine and method
+        if isinstance(r.get("concurrency"), int):
+            groups.setdefault((s.index, r.get("role", "server"), r.get("engine", "?"), r["method"]), []).append(r)
+    items = [Panel("throughput", "concurrency", "tokens/s (all requests)", logx=True),
+             Panel("time to first token", "concurrency", "ms", logx=True),
+             Panel("inter-token latency", "concurrency", "ms", logx=True)]
+    for (index, role, engine, method), rows in sorted(groups.items()):
+        rows.sort(key=lambda r: r["concurrency"])
+        c = [r["concurrency"] for r in rows]
+        name = f"{role} ({engine}, {method}) [{index}]"
+        keyed = (("tokens_per_s",), ("ttft_ms_p50", "ttft_ms_p99"), ("itl_ms_p50", "itl_ms_p99"))
+        for panel, keys in zip(items, keyed):
+            for key in keys:
+                pts = [(x, r[key]) for x, r in zip(c, rows) if isinstance(r.get(key), (int, float))]
+                if pts:
+                    label = name + ("" if len(keys) == 1 else f" {key.rsplit('_', 1)[1]}")
+                    panel.series.append(Series(label, [x for x, _ in pts], [y for _, y in pts],
+                                               linestyle="-" if key.endswith(("p50", "_s")) else "--"))
+    items = [p for p in items if p.series]
+    for p in items:
+        p.xticks = sorted({x for s in p.series for x in s.x})
+    body = [_figure(lambda: plots.panels(items, ncols=3), "served throughput and latency against concurrency",
+                    [s for _, s in inputs.served])] if items else []
+    body.append(_table(
+        ["role", "engine", "method", "concurrency", "completed", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+         "ITL p50 ms", "ITL p99 ms", "served tau", "source"],
+        [[r.get("role", "server"), f"{r.get('engine', '?')} {r.get('engine_version') or ''}".strip(), r["method"],
+          r.get("concurrency", "-"), f"{r.get('completed', '-')}/{r.get('num_prompts', '-')}",
+          _num(r.get("tokens_per_s"), 1), _num(r.get("ttft_ms_p50"), 0), _num(r.get("ttft_ms_p99"), 0),
+          _num(r.get("itl_ms_p50"), 1), _num(r.get("itl_ms_p99"), 1),
+          _num(r.get("tau"), 3) if r.get("tau") is not None else "no acceptance counters", s.cite()]
+         for r, s in inputs.served], left=3))
+    return body
+
+
 def _breakdown(inputs: Inputs) -> list[str]:
     """Measured rounds (bench: draft and verify) and predicted ones (plan: the draft round and the
     verify step's named terms, collectives among them), each against the plain steps that would
@@ -387,7 +429,8 @@ def _sources(inputs: Inputs) -> list[str]:
 
 def render(inputs: Inputs) -> str:
     built = [(key, part(inputs)) for key, part in (("training", _training), ("acceptance", _acceptance),
-                                                   ("speed", _speed), ("breakdown", _breakdown),
+                                                   ("speed", _speed), ("served", _served),
+                                                   ("breakdown", _breakdown),
                                                    ("train-plan", _train_plan), ("sources", _sources))]
     built = [(key, body) for key, body in built if body]
     nav = " ".join(f'<a href="#{key}">{_e(SECTIONS[key])}</a>' for key, _ in built)
