@@ -7,8 +7,9 @@ curves against steps and training time, acceptance per draft position, speedup a
 (and batch), served throughput and latency against concurrency, the step-time breakdown, the
 training plan, and the sources. Every table row and every chart caption cites its records as
 ``[n] device · date · commit``, ``n`` numbering the sources table. Charts are SVG images inlined
-as ``data:`` URIs (``report.plots``); the page loads nothing from the network, runs no script and has no external style. Without matplotlib the page
-keeps its tables and says, in each chart's place, that charts need it.
+as ``data:`` URIs (``report.plots``); the page loads nothing from the network, runs no script and
+has no external style. Without matplotlib the page keeps its tables and says, in each chart's
+place, that charts need it.
 """
 
 from __future__ import annotations
