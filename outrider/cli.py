@@ -1,8 +1,9 @@
 """The ``outrider`` command line: argument parsing only; every verb calls the Python API.
 
 Contract: a user error (``UserError``, a bad flag or a value out of its stated range, an OS
-error a user can fix: ``cliargs.USER_ERRNOS``) prints one line and exits with status 2; Ctrl-C
-prints one line and exits with status 130; ``inspect`` exits 1 when the pair cannot be served;
+error a user can fix: ``fsutil.USER_ERRNOS``) prints one line and exits with status 2; SIGINT
+(Ctrl-C) or SIGTERM prints one line and exits with status 130 or 143 (``outrider.signals``: train
+checkpoints at the next step boundary first); ``inspect`` exits 1 when the pair cannot be served;
 everything else exits 0. No traceback is shown for user errors. Every output is claimed before
 the verb starts (``outrider.outputs``): a folder only when new, empty or an earlier output of the
 same kind, under a lock that keeps a second process out; a file only when it is absent or an
@@ -30,12 +31,15 @@ from outrider.cliargs import (
     device,
     dtype,
     int_list,
-    os_error_line,
+    names_of,
     output_of,
     stderr_line,
     user_os_error,
 )
 from outrider.errors import UserError
+from outrider.fsutil import os_error_line
+from outrider.signals import Interrupted, Signals
+from outrider.train.resume import NAMES as RESUME_NAMES
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
 
@@ -113,7 +117,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
-          graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet)
+          graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet,
+          max_prompt_tokens=a.max_prompt_tokens)
     return 0
 
 
@@ -138,6 +143,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     if a.force and a.resume:
         raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.allow_change and not a.resume:
+        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
     if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock
@@ -322,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", type=POSITIVE, default=1)
     sp.add_argument("--prompts", default="sharegpt",
                     help="'sharegpt' (held-out split), a .txt file (one prompt per line) or a JSON list of strings")
+    sp.add_argument("--max-prompt-tokens", type=POSITIVE, default=512, metavar="N",
+                    help="a prompt longer than N tokens in the chat template keeps the template's start and end "
+                         "around the last tokens of its text (default 512); counted as truncated_prompts")
     sp.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     sp.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                     help="do not replay steps as CUDA graphs (they are used on CUDA by default)")
@@ -374,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON file of settings overriding the preset, e.g. {"time_budget_s": 0, "steps": 20000}')
     sp.add_argument("--aux-layers", type=int_list(0, what="layer ids"), default=None,
                     help="aux layer ids, e.g. 2,15,27")
+    sp.add_argument("--allow-change", type=names_of(RESUME_NAMES), default=None, metavar="NAME,...",
+                    help="with --resume: continue although these differ from the checkpoint (logged in metrics.jsonl): "
+                         + ", ".join(RESUME_NAMES) + ", or all; without it any difference is refused")
     sp.add_argument("--max-steps", type=POSITIVE, default=None,
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--report-to", default="none", choices=["tensorboard", "wandb", "none"],
@@ -494,13 +507,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         check_args(args)
-        return args.fn(args)
+        with Signals() as args.signals:
+            return args.fn(args)
     except UserError as e:
         stderr_line(args.verb, str(e))
         return e.exit_code
-    except KeyboardInterrupt:
-        print(f"outrider {args.verb}: interrupted (what was written before is kept; rerun to go on)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGINT/SIGTERM as ``Interrupted``
+        name, code = (e.name, e.exit_code) if isinstance(e, Interrupted) else ("SIGINT", 130)
+        detail = getattr(e, "detail", "") or "what was written before is kept; rerun to go on"
+        print(f"outrider {args.verb}: interrupted by {name}: {detail}", file=sys.stderr)
+        return code
     except Exception as e:  # an OS error a user can fix (a full disk, ...), wherever it was raised
         found = user_os_error(e)
         if found is None:

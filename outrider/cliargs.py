@@ -5,9 +5,9 @@ Contract: every numeric flag is parsed by a type from here that states its range
 saying the range; ``device`` refuses a device this machine does not have. ``check_args`` runs the
 checks that join several flags or look at an input's kind (k within max-new-tokens, a draft of
 the kind the method needs) before the verb starts. ``OneLineParser`` prints an argument error as
-one line (no usage block), exit status 2. ``os_error_line`` turns an ``OSError`` a user can fix
+one line (no usage block), exit status 2. ``user_os_error`` finds the ``OSError`` a user can fix
 (permissions, a read-only or full file system, a path through a file, a folder where a file
-belongs, a name too long) into that one line; ``USER_ERRNOS`` lists them. Nothing heavy is
+belongs, a name too long: ``fsutil.USER_ERRNOS``) behind an exception, for ``fsutil.os_error_line``. Nothing heavy is
 imported at module level, so ``outrider --help`` stays instant.
 """
 
@@ -23,26 +23,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from outrider.errors import UserError
-from outrider.fsutil import shown_path
+from outrider.fsutil import USER_ERRNOS, os_error_line  # noqa: F401  (os_error_line: the CLI's, kept here)
 
 K_MAX = 64  # draft tokens per step: a verification forward of k+1 positions, k+1 cache slots a step
-
-USER_ERRNOS = {
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.EROFS: "the file system is read-only",
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EFBIG: "the file is too large for the file system",
-    errno.ENOTDIR: "a part of the path is a file, not a folder",
-    errno.EISDIR: "it is a folder, not a file",
-    errno.ENAMETOOLONG: "the name is too long",
-    errno.ELOOP: "too many symbolic links",
-    errno.EBUSY: "it is busy (a mount point?)",
-    errno.EXDEV: "it crosses file systems",
-    errno.EMFILE: "too many open files",
-}
-
 
 class OneLineParser(argparse.ArgumentParser):
     """``argparse`` whose errors are one line: ``outrider VERB: error: ...``, exit status 2."""
@@ -123,6 +106,21 @@ def int_list(lo: int, hi: int | None = None, what: str = "integers"):
         return values
 
     parse.__name__ = what
+    return parse
+
+
+def names_of(allowed: tuple[str, ...]):
+    """An argparse type: comma-separated names from ``allowed`` (or ``all``)."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed and n != "all"]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)} or all, "
+                                             f"got '{text}'")
+        return names
+
+    parse.__name__ = "names"
     return parse
 
 
@@ -254,17 +252,6 @@ def user_os_error(e: BaseException) -> OSError | None:
         if os.strerror(code) in text:
             return OSError(code, os.strerror(code))
     return None
-
-
-def os_error_line(e: OSError, fallback_path: Any = None) -> str:
-    """One line for an ``OSError`` a user can fix: the path (as the user named it) and what is wrong."""
-    path = shown_path(e.filename) or (str(fallback_path) if fallback_path else None)
-    reason = USER_ERRNOS.get(e.errno, e.strerror or str(e))
-    hint = {errno.ENOSPC: ": free some space and rerun (finished work is kept)",
-            errno.EDQUOT: ": free some space and rerun (finished work is kept)",
-            errno.EROFS: ": choose an output on a writable file system",
-            errno.EACCES: ": choose a path you may write to, or fix its permissions"}.get(e.errno, "")
-    return f"{path}: {reason}{hint}" if path else f"{reason}{hint}"
 
 
 def stderr_line(verb: str, message: str) -> None:

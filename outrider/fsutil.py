@@ -8,6 +8,12 @@ step (``renameat2(RENAME_EXCHANGE)``), elsewhere by two renames. A temporary fil
 held under an OS lock (``flock``) while it is written, so that ``remove_stale_temps`` can tell a
 killed run's leftovers (no lock: removed) from a live writer's (locked: kept). Nothing here fsyncs
 parent directories on every call; durability across power loss is not a goal, crash-consistency is.
+
+Every writer goes through ``atomic_path`` (files) or ``atomic_dir`` (folders): any ``OSError`` while
+creating the temporary, writing it or renaming it (a pseudo file system, a missing parent, a name
+the OS refuses, a full disk) is raised as ``OutputError``, one line naming the output as the user
+named it (``os_error_line``). What they write honours the user's umask, including files that
+libraries create 0600 (safetensors' ``save_file``).
 """
 
 from __future__ import annotations
@@ -30,12 +36,86 @@ from outrider.errors import UserError
 
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.(tmp|old)$")  # what mkstemp/mkdtemp below produce
 
+USER_ERRNOS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file is too large for the file system",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EISDIR: "it is a folder, not a file",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.ELOOP: "too many symbolic links",
+    errno.EBUSY: "it is busy (a mount point?)",
+    errno.EXDEV: "it crosses file systems",
+    errno.EMFILE: "too many open files",
+}
+_HINTS = {errno.ENOSPC: ": free some space and rerun (finished work is kept)",
+          errno.EDQUOT: ": free some space and rerun (finished work is kept)",
+          errno.EROFS: ": choose an output on a writable file system",
+          errno.EACCES: ": choose a path you may write to, or fix its permissions"}
+
+
+def os_error_line(e: OSError, fallback_path: Any = None) -> str:
+    """One line for an ``OSError`` a user can fix: the path (as the user named it) and what is wrong."""
+    path = shown_path(e.filename) or (str(fallback_path) if fallback_path else None)
+    reason = USER_ERRNOS.get(e.errno, e.strerror or str(e))
+    hint = _HINTS.get(e.errno, "")
+    return f"{path}: {reason}{hint}" if path else f"{reason}{hint}"
+
+
+class OutputError(UserError, OSError):
+    """An ``OSError`` met while writing an output, told as one line naming that output. It is a
+    ``UserError`` (the CLI prints it, exit 2) and still the ``OSError`` (``errno``, ``filename``),
+    so a caller that falls back on an ``OSError`` (bench's record, a cache's finished shards) keeps
+    doing so."""
+
+    def __init__(self, path: str | os.PathLike, error: OSError):
+        known = error.errno in USER_ERRNOS
+        hint = "" if known else ": the system refused to create or write it there; choose another path"
+        UserError.__init__(self, f"cannot write {os_error_line(error, path)}{hint}")
+        self.errno, self.strerror, self.filename = error.errno, error.strerror, os.fspath(path)
+        self.message = UserError.__str__(self)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def output_error(path: str | os.PathLike, error: OSError) -> OutputError:
+    """``error`` (raised while writing ``path``) as the one line that names ``path``."""
+    if isinstance(error, OutputError):
+        return error
+    named = OSError(error.errno, error.strerror or str(error), os.fspath(path))
+    return OutputError(path, named)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 
 def _umask_mode(path: str | os.PathLike, base: int = 0o666) -> None:
     """Give a ``mkstemp`` file (always 0600) the mode a plain ``open`` would have given it."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, base & ~mask)
+    os.chmod(path, base & ~_umask())
+
+
+def _umask_tree(folder: Path) -> None:
+    """The modes a plain ``open``/``mkdir`` under the umask would give, for everything in ``folder``
+    (a library may create its files 0600: safetensors does)."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            p = os.path.join(root, d)
+            if not os.path.islink(p):
+                os.chmod(p, 0o777 & ~mask)
+        for f in files:
+            p = os.path.join(root, f)
+            if os.path.islink(p):
+                continue
+            os.chmod(p, (0o777 if os.stat(p).st_mode & 0o100 else 0o666) & ~mask)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -54,14 +134,49 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def guess_encoding(data: bytes) -> str | None:
+    """A likely name for the encoding of bytes that are not UTF-8 (byte-order marks, the NUL bytes of
+    UTF-16, else a single-byte Western code page), or None."""
+    for bom, name in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                      (b"\xfe\xff", "UTF-16")):
+        if data.startswith(bom):
+            return name
+    head = data[:4096]
+    if head and head.count(0) > len(head) // 4:
+        return "UTF-16"
+    try:
+        head.decode("cp1252")
+    except UnicodeDecodeError:
+        return None
+    return "Windows-1252 or Latin-1"
+
+
+def not_utf8(path: str | os.PathLike, data: bytes, error: UnicodeDecodeError, what: str = "") -> UserError:
+    """The one line for a text file in another encoding: where it fails, and the encoding it looks like."""
+    guess = guess_encoding(data)
+    like = f", it looks like {guess}" if guess else ""
+    return UserError(f"{path} is not UTF-8 (byte {error.start} is 0x{data[error.start]:02x}{like}): save it as UTF-8"
+                     + (f" ({what})" if what else ""))
+
+
+def read_text(path: str | os.PathLike, what: str = "") -> str:
+    """The UTF-8 text of ``path``; another encoding is one ``UserError`` line (``not_utf8``). ``OSError``
+    propagates."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, data, e, what) from None
+
+
 def read_json(path: str | os.PathLike, what: str = "JSON") -> Any:
     """The JSON in ``path``, or a one-line ``UserError`` naming ``what`` the file should have been."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{what} file not found: {p}")
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
+        return json.loads(read_text(p, f"a {what} file"))
+    except OSError as e:
         raise UserError(f"cannot read {what} file {p}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{what} file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
@@ -85,16 +200,21 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise output_error(path, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # live: remove_stale_temps leaves it alone
         yield Path(tmp)
         _umask_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise output_error(path, e) from None
         raise
     finally:
         os.close(fd)
@@ -133,33 +253,50 @@ def atomic_dir(path: str | os.PathLike, carry: Iterable[str] = ()) -> Iterator[P
     links to the same files (an output's marker and lock file: a lock held on it stays held).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise output_error(path, e) from None
     fd = os.open(tmp, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # live: remove_stale_temps leaves it alone
         try:
             yield tmp
-            _umask_mode(tmp, 0o777)
+            _umask_tree(tmp)
             for name in carry:
                 if (path / name).is_file() and not (tmp / name).exists():
                     os.link(path / name, tmp / name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if path.exists() and exchange(tmp, path):
-            shutil.rmtree(tmp, ignore_errors=True)  # the old directory, now under the temporary name
-            return
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.rmdir(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            _swap_in(tmp, path)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise output_error(path, e) from None
     finally:
         os.close(fd)
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """``tmp`` becomes ``path``: one exchange where the system has one, else two renames."""
+    if path.exists() and exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # the old directory, now under the temporary name
+        return
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+        os.rmdir(old)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if old is not None:
+            os.replace(old, path)  # the earlier output back under its name
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _stale(candidate: Path) -> bool:

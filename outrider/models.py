@@ -36,6 +36,7 @@ import torch
 
 from outrider import assets
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 
 DEFAULT_ALIAS = "default"
 
@@ -187,8 +188,8 @@ def load_config_dict(spec: str | Path) -> dict[str, Any]:
 
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cfg = json.loads(read_text(path / "config.json"))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path / 'config.json'} is not a model config (a JSON object), it is a {type(cfg).__name__}")
@@ -245,7 +246,7 @@ def parse_device_map(text: str | dict | None) -> str | dict | None:
         if not path.is_file():
             raise UserError(f"--device-map '{text}' is neither {', '.join(DEVICE_MAP_NAMES)}, a JSON object nor a "
                             "JSON file")
-        source = path.read_text()
+        source = read_text(path)
     try:
         mapping = json.loads(source)
     except json.JSONDecodeError as e:
@@ -468,8 +469,8 @@ def _token_text(value: Any) -> str | None:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(path))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a JSON object")

@@ -16,10 +16,12 @@ Contract:
 - Under the lock, temporaries a killed run left in the folder or next to it are removed
   (``fsutil.remove_stale_temps``). A claim that created the folder removes it again when the
   verb fails before writing anything.
-- A file output (``--json F``, ``plan --out F``, ``report --out F``) is checked with ``check_file(path, kind)`` before
-  the verb starts: not a folder, its first existing parent a writable folder, and an existing file
-  replaced only when it is an earlier output of the same kind (``FILE_KINDS``); ``-`` (standard
-  output) is always fine.
+- A file output (``--json F``, ``plan --out F``, ``report --out F``) is checked with
+  ``check_file(path, kind)`` before the verb starts: not a folder, nor a device, pipe or socket, its first existing parent a
+  writable folder, and an existing file replaced only when it is an earlier output of the same
+  kind (``FILE_KINDS``); ``-`` (standard output) is always fine. It is then written through
+  ``fsutil`` (``write_json_output``, ``atomic_write_text``), whose every ``OSError`` is one line
+  naming it; so is any ``OSError`` while claiming a folder.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.fsutil import TEMP_NAME, atomic_write_json, remove_stale_temps
+from outrider.fsutil import TEMP_NAME, atomic_write_json, output_error, remove_stale_temps
 
 MARKER = ".outrider-output"
 LOCK = ".outrider-lock"
@@ -226,8 +228,12 @@ def claim_dir(path: str | os.PathLike, kind: str, flag: str = "--out",
     if not lock:
         yield Claim(out, kind, created, existing)
         return
-    out.mkdir(parents=True, exist_ok=True)
-    claim = Claim(out, kind, created, existing, _lock(out, flag))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = _lock(out, flag)
+    except OSError as e:
+        raise output_error(path, e) from None
+    claim = Claim(out, kind, created, existing, fd)
     try:
         if kind_of(out) != kind or not (out / MARKER).is_file():
             atomic_write_json(out / MARKER, {"kind": kind, "written_by": "outrider", "what": KINDS[kind]})
@@ -249,6 +255,9 @@ def check_file(path: str | os.PathLike | None, kind: str, flag: str = "--json") 
     what, recognised = FILE_KINDS[kind]
     if p.is_dir():
         raise UserError(f"{flag} {path} is a folder: give a file name")
+    if p.exists() and not p.is_file():
+        raise UserError(f"{flag} {path} is not a regular file (a device, a pipe or a socket): give a file name "
+                        "(outrider replaces its output file whole, which would remove it)")
     parent = _existing_parent(p.resolve(), path, flag)
     if not os.access(parent, os.W_OK):
         raise UserError(f"{flag} {path} cannot be written: {parent} is read-only or not writable for you; "

@@ -225,6 +225,14 @@ def test_unreadable_peer_files_are_one_line_refusals(env, tmp_path, capsys):
     torch.save({"input_ids": ids, "loss_mask": torch.zeros(7, dtype=torch.long), "aux_hidden_state":
                 torch.zeros(1, 7, 192), "hidden_state": torch.zeros(1, 7, 64)}, empty / "data_0.ckpt")
     assert "no loss tokens" in refused(empty.parent)
+    nan = tmp_path / "nan" / "rows_0-2000"  # a NaN state: no checksum to fail, refused when read
+    nan.mkdir(parents=True)
+    for i in range(8):
+        aux = torch.zeros(1, 7, 192)
+        aux[0, 2, 5] = float("nan")
+        torch.save({"input_ids": ids, "loss_mask": torch.ones(7, dtype=torch.long), "aux_hidden_state": aux,
+                    "hidden_state": torch.zeros(1, 7, 64)}, nan / f"data_{i}.ckpt")
+    assert "tensor aux_hidden_state holds 1 non-finite" in refused(nan.parent)
     three = tmp_path / "three" / "hidden_states"
     three.mkdir(parents=True)
     save_file({"hidden_states": torch.zeros(7, 3, 64), "token_ids": ids}, str(three / "hs_0.safetensors"))

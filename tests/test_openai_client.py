@@ -149,7 +149,7 @@ def test_chat_is_the_models_greedy_reply(model):
         messages = [{"role": "user", "content": "w7 w8 w9"}]
         text = client.chat(messages, 8)
         assert text == srv.complete(messages, 8) and text.strip()
-        with pytest.raises(UserError, match="fix --model"):
+        with pytest.raises(UserError, match="fix --server-model"):
             ChatClient(srv.url, model="no-such-model", retries=1).check()
         with pytest.raises(ServerRejected) as e:
             client.chat([{"role": "user", "content": REJECT_WORD}], 8)

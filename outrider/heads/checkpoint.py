@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
 from outrider.heads.engines import (
     DRAFT_ARCH,
@@ -37,6 +38,7 @@ from outrider.heads.engines import (
     vllm_captures,
 )
 from outrider.models import arch_info, load_config_dict
+from outrider.values import check_draft_map, check_finite
 
 FORMATS = ("sglang", "vllm", "speculators")
 EAGLE3_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle") + MLA_DRAFT_ARCHS
@@ -326,8 +328,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not config.exists():
         raise UserError(f"{path} has no config.json: not a draft checkpoint folder")
     try:
-        return json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(read_text(config))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {config}: {e}") from None
 
 
@@ -517,6 +519,8 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
         raise UserError(f"the head has {spec.num_hidden_layers} decoder layers; outrider runs single-layer "
                         f"EAGLE-3 heads")
     state = _to_our_names(_read_tensors(path))
+    files = weight_source(path)
+    where = str(files[0]) if isinstance(files, list) and len(files) == 1 else str(path)
     shapes = expected_shapes(cfg)
     if "d2t" not in state:
         if cfg.draft_vocab_size != cfg.vocab_size:
@@ -526,8 +530,7 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
     if "t2d" not in state:
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         targets = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
-        if int(targets.min()) < 0 or int(targets.max()) >= cfg.vocab_size:
-            raise UserError(f"{path}: d2t maps draft ids outside the vocabulary of {cfg.vocab_size}")
+        check_draft_map(state["d2t"], None, cfg.vocab_size, where)
         t2d[targets] = True
         state["t2d"] = t2d
     unknown = sorted(set(state) - set(shapes))
@@ -539,6 +542,9 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
     wrong = [f"{k} {tuple(state[k].shape)} != {shapes[k]}" for k in shapes if tuple(state[k].shape) != shapes[k]]
     if wrong:
         raise UserError(f"{path}: tensor shapes disagree with its config.json: {'; '.join(wrong[:3])}")
+    check_draft_map(state["d2t"], state["t2d"], cfg.vocab_size, where)
+    check_finite(state, where, "the head is damaged (a training run that diverged?): retrain it or take an earlier "
+                 "checkpoint")
     head = _empty_head(cfg)
     d2t, t2d = state.pop("d2t").long(), state.pop("t2d").bool()
     state = {k: v.float() for k, v in state.items()}

@@ -10,7 +10,7 @@ names and shapes against the config (``weights_checks``). Engine facts come from
 ``outrider.heads.engines``.
 
 Not done here: target-only checks, tokenizers, the verdict (``outrider.heads.inspect``); loading
-weights beyond ``d2t``/``t2d`` (shapes come from the safetensors headers).
+weights beyond ``d2t``/``t2d`` and a scan for NaN/Inf (shapes come from the safetensors headers).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from outrider.heads.engines import (
     serves_last_layer,
 )
 from outrider.models import ArchInfo
+from outrider.values import nonfinite
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 LABEL = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -239,6 +240,26 @@ def _read_small_tensors(path: Path, names: tuple[str, ...]) -> tuple[dict[str, A
     return tensors, shapes
 
 
+def _finite_check(path: Path) -> Check:
+    """Every floating-point tensor free of NaN and Inf (read one tensor at a time)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = weight_source(path)
+    bad: list[str] = []
+    if isinstance(files, dict):
+        bad = [f"{k} ({n})" for k, t in sorted(files.items()) if (n := nonfinite(t))]
+    for f in files if isinstance(files, list) else []:
+        try:
+            with safe_open(f, framework="pt") as handle:
+                bad += [f"{k} ({n})" for k in sorted(handle.keys()) if (n := nonfinite(handle.get_tensor(k)))]
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {f}: {e} (the file is corrupt or truncated)") from None
+    if bad:
+        return Check("finite weights", FAIL, f"NaN or Inf in {', '.join(bad[:3])}"
+                     + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") + ": the head is damaged, retrain it")
+    return Check("finite weights", PASS, "no NaN or Inf in any tensor")
+
+
 def _our_name(k: str) -> str:
     k = k[len("model."):] if k.startswith("model.") else k
     k = "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
@@ -271,6 +292,7 @@ def weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
         checks.append(Check("weights", FAIL, f"tensors disagree with config.json: {detail}"))
     else:
         checks.append(Check("weights", PASS, f"{len(renamed)} tensors match config.json"))
+    checks.append(_finite_check(path))
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if d2t is None:
         if spec.draft_vocab_size == spec.vocab_size:

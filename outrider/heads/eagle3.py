@@ -357,6 +357,8 @@ class Eagle3Head(nn.Module):
             raise UserError(f"draft vocabulary of shape d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} does not fit "
                             f"this head (draft {cfg.draft_vocab_size}, target {cfg.vocab_size})")
         target_ids = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
+        if cfg.draft_vocab_size and (int(target_ids.min()) < 0 or int(target_ids.max()) >= cfg.vocab_size):
+            raise UserError(f"d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
         if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d.bool()[target_ids.to(t2d.device)].all()):
             raise UserError("d2t and t2d disagree: every draft id must map to a target id marked in t2d")
         self.d2t.copy_(d2t.long())

@@ -239,6 +239,19 @@ def _check_step_args(tp: int, new_tokens: int, batch: int, context: int) -> None
                         f"n={new_tokens}, b={batch}, c={context})")
 
 
+def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
+    """Cache bytes one token holds on one GPU, all layers: GQA's keys and values split by KV head over
+    TP (replicated beyond the head count), MLA's latent replicated on every rank."""
+    kv_shards = 1 if shape.kv_replicated else min(tp, max(1, shape.num_kv_heads))
+    return shape.kv_elems_per_token * ACT_BYTES * shape.num_layers / kv_shards
+
+
+def memory_per_gpu(shape: ModelShape, tp: int, batch: int, tokens: int) -> float:
+    """Bytes one GPU holds to decode ``batch`` sequences of ``tokens`` cached tokens: its share of the
+    weights plus the KV cache (activations and the engine's workspace not counted)."""
+    return shape.weight_bytes / tp + batch * tokens * kv_bytes_per_token(shape, tp)
+
+
 def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: int = 1, batch: int = 1,
               context: int = 2048, include_step_overhead: bool = True) -> StepCost:
     """One forward over n new tokens for each of b sequences holding c cached tokens, per GPU.
@@ -274,9 +287,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: i
     # Attention reads the cache once per step for all n query tokens (flash-decoding style);
     # GQA caches are split by KV head over TP (replicated beyond the head count), MLA's latent is
     # replicated on every rank.
-    kv_shards = 1 if shape.kv_replicated else min(tp, max(1, shape.num_kv_heads))
     ctx = context + new_tokens
-    kv_bytes = batch * ctx * shape.kv_elems_per_token * ACT_BYTES * L / kv_shards
+    kv_bytes = batch * ctx * kv_bytes_per_token(shape, tp)
     kv_flops = m * ctx * shape.attn_ctx_flops_per_pos * L / min(tp, shape.num_heads)
     terms.append(_roofline("MLA latent cache" if shape.attention == "MLA" else "KV cache", kv_bytes, kv_flops, hw))
 
@@ -380,6 +392,8 @@ class Prediction:
     draft: StepCost
     batching: str = "continuous"  # "lockstep": the batch runs as long as its slowest row (``batching``)
     tokens_per_round: float | None = None  # lockstep: tokens a row gains per round of its batch
+    memory_bytes: float = 0.0  # per GPU: weights + KV cache at the plan's context (``memory_per_gpu``)
+    fits: bool = True  # memory_bytes within the GPU's memory
 
     def dominant(self, top: int = 2) -> list[tuple[str, float]]:
         """Largest terms of the whole speculative step (draft round + verify)."""
@@ -399,6 +413,7 @@ class Prediction:
             "batching": self.batching, "tokens_per_round": self.tokens_per_round,
             "verify_step_ms": self.verify_step_s * 1e3, "draft_round_ms": self.draft_round_s * 1e3,
             "dominant_terms": [{"term": n, "share": round(s, 4)} for n, s in self.dominant(3)],
+            "memory_gb_per_gpu": round(self.memory_bytes / 1e9, 3), "fits_memory": self.fits,
             "verify_terms_ms": _terms_ms(self.verify), "draft_terms_ms": _terms_ms(self.draft),
         }
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 from outrider.models import ArchInfo
 
 ACT_BYTES = 2  # activations, KV cache and AllReduce messages are bf16
@@ -227,6 +228,6 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        return read_text(path)
+    except OSError as e:
         raise UserError(f"cannot read {path}: {e}") from None

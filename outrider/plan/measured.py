@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from outrider.errors import UserError
-from outrider.fsutil import read_json
+from outrider.fsutil import read_json, read_text
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
@@ -117,7 +117,7 @@ def _text(spec: Mapping[str, Any], origin: str, base: Path | None) -> str | None
         if not path.is_absolute() and base is not None:
             path = base / path
         try:
-            return path.read_text()
+            return read_text(path)
         except OSError as e:
             raise UserError(f"{origin}: cannot read metrics file {path}: {e}") from None
     return None

@@ -24,15 +24,20 @@ Contract:
   terms; ``json_path`` receives the rows (atomically), each with the target, hardware, date and
   commit it was predicted for and by. Every user mistake is a one-line ``UserError``.
 
+Memory: each row states the GB per GPU it needs (weights + KV cache of ``batch`` x (``context`` +
+``new_tokens``) tokens at the target's KV bytes per token: MLA's latent, replicated over TP, or
+GQA's keys and values, split by KV head); a row that does not fit the GPU says so, the notes give
+the sizes, and the recommendation skips it.
+
 Not done here: plots (``plan --plot`` draws ``rows`` through ``outrider.report.plots``, joined in
-``cli``), measuring anything (``bench`` does), choosing tree shapes, memory planning
-beyond a note when the weights do not fit.
+``cli``), measuring anything (``bench`` does), choosing tree shapes, activations and engine
+workspace in the memory estimate.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,6 +59,8 @@ from outrider.plan.cost_model import (
     ModelShape,
     Prediction,
     eagle3_head_shape,
+    kv_bytes_per_token,
+    memory_per_gpu,
     predict,
     step_cost,
 )
@@ -237,7 +244,13 @@ def _term_list(terms: list[tuple[str, float]]) -> str:
     return ", ".join(f"{n} {s:.0%}" for n, s in terms)
 
 
-def _recommend(batch: int, preds: list[Prediction]) -> Recommendation:
+def _recommend(batch: int, preds: list[Prediction], need: float = 0.0,
+               hw: HardwareProfile | None = None) -> Recommendation:
+    """The fastest of ``preds`` (the rows that fit memory); none fit: say so (``need`` bytes per GPU)."""
+    if not preds:
+        cap = f" > {hw.memory_capacity_bytes / 1e9:.0f} GB" if hw is not None else ""
+        return Recommendation(batch, None, None, 0.0, 0.0, f"batch {batch}: does not fit: {need / 1e9:,.1f} GB per "
+                              f"GPU of weights and KV cache{cap}; lower the batch or --context, or raise --tp")
     best = max(preds, key=lambda p: p.speedup)
     if best.speedup > 1.0:
         text = (f"batch {batch}: {best.method} with k={best.k} -> {best.speedup:.2f}x "
@@ -368,7 +381,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     weights_per_gpu = shape.weight_bytes / tp
     if weights_per_gpu > hw.memory_capacity_bytes:
         notes.append(f"the weights need {weights_per_gpu / 1e9:.0f} GB per GPU but {hw.name} has "
-                     f"{hw.memory_capacity_bytes / 1e9:.0f} GB: raise --tp; the plan assumes they fit")
+                     f"{hw.memory_capacity_bytes / 1e9:.0f} GB: raise --tp (no row fits)")
 
     spread = (_spread(acceptance) if acceptance is not None else None) or measured_spread()
     if batching == "lockstep":
@@ -387,7 +400,19 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
                         rounds[(m, k)] = RoundsModel(acc, k, spread, new_tokens)
                     pred = batched(pred, rounds[(m, k)], batching)
                 predictions.append(pred)
-    recommendations = [_recommend(b, [p for p in predictions if p.batch == b]) for b in batches]
+    kv_token, tokens = kv_bytes_per_token(shape, tp), context + new_tokens
+    for i, p in enumerate(predictions):
+        need = memory_per_gpu(shape, tp, p.batch, tokens)
+        predictions[i] = replace(p, memory_bytes=need, fits=need <= hw.memory_capacity_bytes)
+    for b in batches:
+        need = memory_per_gpu(shape, tp, b, tokens)
+        if need > hw.memory_capacity_bytes:
+            notes.append(f"batch {b} does not fit: {need / 1e9:,.1f} GB per GPU ({shape.weight_bytes / tp / 1e9:,.1f} "
+                         f"GB of weights + KV cache of {b} x {tokens} tokens (context {context} + {new_tokens} new) at "
+                         f"{kv_token / 1e3:,.1f} kB/token/GPU, {shape.attention}) > {hw.memory_capacity_bytes / 1e9:.0f} "
+                         f"GB on {hw.name}: its rows are marked and the recommendation skips them")
+    recommendations = [_recommend(b, [p for p in predictions if p.batch == b and p.fits], memory_per_gpu(
+        shape, tp, b, tokens), hw) for b in batches]
     result = PlanResult(name, hw, tp, context, predictions, recommendations, sources, calibration, notes, fit,
                         batching)
 
@@ -411,13 +436,14 @@ def _print(result: PlanResult, shape: ModelShape, console) -> None:
         title = (f"batch {b}: autoregressive {preds[0].ar_tokens_per_s:,.0f} tok/s, step {ar.total_s * 1e3:.2f} ms "
                  f"({_term_list(ar.dominant(2))})")
         table = Table(title=title, title_justify="left")
-        for col in ("method", "k", "E\\[tok]", "verify/AR", "draft ms", "step ms", "tok/s", "speedup"):
+        for col in ("method", "k", "E\\[tok]", "verify/AR", "draft ms", "step ms", "tok/s", "speedup", "GB/GPU"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for p in preds:
             style = "green" if p.speedup > 1.0 else "red"
             table.add_row(p.method, str(p.k), f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
                           f"{p.draft_round_s * 1e3:.3f}", f"{(p.verify_step_s + p.draft_round_s) * 1e3:.2f}",
-                          f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]")
+                          f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]",
+                          f"{p.memory_bytes / 1e9:,.0f}" + ("" if p.fits else " [red]no fit[/red]"))
         console.print(table)
     if result.fit is not None:
         console.print("[bold]Fitted to the measurements[/bold]")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 
 KINDS = ("measured", "estimate", "formula")
 
@@ -94,7 +95,7 @@ def with_overrides(overrides: Mapping[str, Any] | str | Path | None, origin: str
         path = Path(overrides).expanduser()
         origin = str(path)
         try:
-            overrides = json.loads(path.read_text())
+            overrides = json.loads(read_text(path))
         except OSError as e:
             raise UserError(f"cannot read rates file {path}: {e}") from None
         except json.JSONDecodeError as e:

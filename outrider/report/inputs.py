@@ -106,8 +106,9 @@ def metrics_rows(path: Path) -> tuple[list[dict[str, Any]], str | None]:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        if isinstance(row, dict) and row.get("type") in ("train", "eval") and isinstance(row.get("step"), int):
-            rows.append(row)
+        if isinstance(row, dict) and isinstance(row.get("type"), str) and isinstance(row.get("step"), int):
+            if row["type"] in ("train", "eval"):  # other records (a resume's changes) are not curves
+                rows.append(row)
         elif n == len(lines):
             note = f"{path}: its last line (line {n}) is cut short, as a run killed mid-write leaves it: skipped"
         else:

@@ -54,6 +54,12 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
     from outrider.bench import prompt_texts
 
     texts = prompt_texts(prompts, num_prompts)
+    if len(texts) < num_prompts:  # nothing shortened in silence: the records hold how many ran
+        notice = f"notice: --num-prompts {num_prompts}, but {prompts} holds {len(texts)}: ran {len(texts)}"
+        if console is not None:
+            console.print(notice, highlight=False)
+        elif log is not None:
+            log(notice)
     records, failure = served.served_bench(server, texts, concurrency, max_new_tokens, model, baseline,
                                            baseline_model, temperature, seed, timeout, method, json_path, log)
     if target is not None and failure is None:

@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_path, atomic_write_json, atomic_write_text
+from outrider.fsutil import atomic_path, atomic_write_json, atomic_write_text, read_text
+from outrider.values import check_ids, nonfinite
 
 FORMAT = "outrider-hidden-cache"
 VERSION = 1
@@ -171,8 +172,8 @@ def topk_teacher(ids: torch.Tensor, values: torch.Tensor, lse: torch.Tensor, dra
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(path))
+    except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read the {what} {path}: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a JSON object: not an outrider cache {what}")
@@ -416,6 +417,8 @@ class OutriderCache:
                 raise self._corrupt(path, str(e)) from None
             if tokens_sha256(ids, mask) != entry["tokens_sha256"]:
                 raise self._corrupt(path, "its tokens fail their checksum")
+            check_ids(ids, int(self.header["target"]["vocab_size"]), str(path), "tensor input_ids",
+                      "the cache was written for another target: capture it again for this one")
             ids, mask = ids.numpy(), mask.numpy().astype(np.int8)
             for sp, index, ex, row, n in zip(cols["split"], cols["index"], cols["id"], cols["row"], cols["length"]):
                 if sp == split:
@@ -429,6 +432,19 @@ class OutriderCache:
         return UserError(f"cache shard {path} is corrupt ({why}): delete it and rerun `outrider capture` with the "
                          "same flags to write it again")
 
+    @staticmethod
+    def _check_values(path: Path) -> None:
+        """No NaN or Inf in a shard's states (its checksum only says it is the file that was written)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                n = nonfinite(f.get_tensor(name))
+                if n:
+                    raise UserError(f"{path}: tensor {name} holds {n} non-finite value(s) (NaN or Inf) although its "
+                                    "checksum passes: the target produced them when it was captured (check the "
+                                    "target and --dtype), then capture it again")
+
     def _handle(self, s: int):
         from safetensors import SafetensorError, safe_open
 
@@ -438,6 +454,7 @@ class OutriderCache:
             if s not in self._verified:
                 if file_sha256(path) != entry["sha256"]:
                     raise self._corrupt(path, "sha256 mismatch")
+                self._check_values(path)
                 self._verified.add(s)
             if len(self._open) >= 64:  # bounded open files: the oldest goes
                 self._open.pop(next(iter(self._open)))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from outrider import assets, sharegpt
 from outrider.errors import UserError
+from outrider.fsutil import read_text
 
 _ROLES = {
     "human": "user", "user": "user",
@@ -97,10 +98,7 @@ def read_records(path: str | Path) -> list[Any]:
         raise UserError(f"dataset not found: {p} (give a .json or .jsonl file, or 'sharegpt')")
     if p.is_dir():
         raise UserError(f"{p} is a directory: give a .json or .jsonl file of conversations")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{p} is not a text file: give a .json or .jsonl file of conversations") from None
+    text = read_text(p, "a .json or .jsonl file of conversations")
     if not text.strip():
         raise UserError(f"{p} is empty: it must hold ShareGPT or OpenAI conversations (JSON list or JSONL)")
     try:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir
+from outrider.fsutil import atomic_dir, read_text
 from outrider.outputs import OWN_FILES
 from outrider.train.template import vocab_identity
+from outrider.values import check_ids
 
 FORMAT = "outrider-tokens"
 VERSION = 1
@@ -82,7 +83,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise UserError(f"{d} is not an outrider token dataset (no manifest.json): build one with `outrider data`")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_text(path))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -291,6 +292,7 @@ def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:
     input_ids: list[np.ndarray] = []
     loss_mask: list[np.ndarray] = []
     conv_ids: list[str] = []
+    vocab = manifest.get("tokenizer", {}).get("vocab_size")
     for shard in manifest["splits"][split]["shards"]:
         path = d / shard["file"]
         try:
@@ -304,6 +306,9 @@ def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:
             arr = table.column(column).combine_chunks()
             offsets = arr.offsets.to_numpy()
             values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+            if column == "input_ids" and vocab:
+                check_ids(values, int(vocab), str(path), "column input_ids", "the shard is damaged or was written "
+                          "for another tokenizer: rebuild the data with `outrider data`")
             into.extend(values[offsets[k]: offsets[k + 1]] for k in range(len(arr)))
         conv_ids.extend(table.column("conv_id").to_pylist())
     return TokenDataset(input_ids, loss_mask, conv_ids, manifest, split)

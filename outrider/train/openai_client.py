@@ -100,10 +100,10 @@ class ChatClient:
         if self.model:
             if models and self.model not in models:
                 raise UserError(f"the server at {self.base} serves {', '.join(models)}, not '{self.model}': "
-                                "fix --model")
+                                "fix --server-model")
             return self.model
         if not models:
-            raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --model NAME")
+            raise UserError(f"the server at {self.base} lists no model under /v1/models: pass --server-model NAME")
         self.model = str(models[0])
         return self.model
 

@@ -46,6 +46,9 @@ import torch
 from outrider.errors import UserError
 from outrider.train.cache import Stored, teacher_rows
 from outrider.train.datasets import _pyarrow
+from outrider.values import check_finite
+
+_NONFINITE = "the peer's capture produced them (its target or dtype): capture that example again"
 
 _SPECFORGE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _SPECULATORS = re.compile(r"^hs_(\d+)\.safetensors$")
@@ -122,6 +125,7 @@ class SpecForgeCache:
         rows = torch.from_numpy(teacher_rows(self.masks[index]))
         aux = rec["aux_hidden_state"].reshape(-1, 3, H)[:n]  # [n, 3, H]
         final = rec["hidden_state"].reshape(-1, H).index_select(0, rows)  # [M, H]
+        check_finite({"aux_hidden_state": aux, "hidden_state": final}, str(self.files[index]), _NONFINITE)
         return Stored(aux, None, final, None, rows)
 
 
@@ -172,6 +176,7 @@ class SpeculatorsCache:
         if "hidden_states_scales" in t:  # hs-connectors fp8: dequantised as its FP8Transfer does
             hs = hs.to(torch.bfloat16) * t["hidden_states_scales"].to(torch.bfloat16)
         rows = torch.from_numpy(teacher_rows(self.masks[index]))
+        check_finite({"hidden_states": hs}, str(self.files[index]), _NONFINITE)
         return Stored(hs[:, :3], None, hs[:, 3].index_select(0, rows), None, rows)
 
 

@@ -7,7 +7,10 @@ similar length) or an OpenAI-compatible server (vLLM, SGLang). Finished conversa
 to a JSONL cache next to the output (``<out>.regen.jsonl``) and reused on a rerun with the same
 settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it had
 ended there; turns whose prompt already fills ``max_length`` are not generated; server-side
-refusals (HTTP 4xx) end that conversation at the refused turn."""
+refusals (HTTP 4xx) end that conversation at the refused turn: the conversations so cut short are
+counted (``truncated_by_server``; none kept: ``dropped`` ``server_rejected``), the server's first
+reason (status and message) is kept (``server_refusal``), and a refused conversation is not
+replayed from the cache: the next run asks the server again."""
 
 from __future__ import annotations
 
@@ -157,6 +160,7 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
 class _RegenResult:
     responses: list[str]
     stop: str | None  # why it stopped before the last assistant turn: max_length, server_rejected, ...
+    reason: str = ""  # the server's own words for a refusal: "HTTP 400: ..."
 
 
 def _regen_local(todo: list[tuple[Conversation, str]], tokenizer, generate_fn: GenerateFn, max_new_tokens: int,
@@ -215,7 +219,7 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
     def work(conv: Conversation, key: str) -> _RegenResult:
         msgs = copy.deepcopy(conv.messages)
         responses: list[str] = []
-        stop = None
+        stop, reason = None, ""
         for i, m in enumerate(conv.messages):
             if m["role"] != "assistant":
                 continue
@@ -231,13 +235,13 @@ def _regen_server(todo: list[tuple[Conversation, str]], tokenizer, client, max_n
             try:
                 text = client.chat(msgs[:i], max_new_tokens, temperature,
                                    seed=derived_seed(seed, f"{key}:{i}", 31) if temperature else None)
-            except ServerRejected:
-                stop = "server_rejected"
+            except ServerRejected as e:
+                stop, reason = "server_rejected", str(e)
                 break
             msgs[i] = {"role": "assistant", "content": text}
             responses.append(text)
         cache.put(conv.conv_id, key, responses, stop)
-        return _RegenResult(responses, stop)
+        return _RegenResult(responses, stop, reason)
 
     results: dict[str, _RegenResult] = {}
     pool = ThreadPoolExecutor(max_workers=concurrency)
@@ -298,7 +302,7 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
         key = _regen_key(f"{backend}:{model_name}", conv, max_new_tokens, max_length, template_hash, temperature,
                          seed)
         hit = cache.get(conv.conv_id, key)
-        if hit is not None:
+        if hit is not None and hit.get("stop") != "server_rejected":  # a refusal is asked again, not replayed
             results[conv.conv_id] = _RegenResult(list(hit["responses"]), hit.get("stop"))
         else:
             todo.append((conv, key))
@@ -318,14 +322,17 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
                                             cache, bar))
     finally:
         cache.close()
-    out = []
+    out, cut_short = [], 0
+    refusals = [r.reason for r in results.values() if r.stop == "server_rejected" and r.reason]
     for conv in conversations:
         res = results[conv.conv_id]
+        cut_short += bool(res.responses) and res.stop == "server_rejected"
         if not res.responses:
             dropped["nothing_to_learn" if res.stop in (None, "max_length") else res.stop] += 1
             continue
         out.append(Conversation(conv.conv_id, _apply_responses(conv.messages, res.responses)))
     info = {"backend": backend, "model": model_name, "server": server, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed if temperature else None, "cache": str(cache_file),
-            "from_cache": from_cache, "conversations": len(out)}
+            "from_cache": from_cache, "conversations": len(out), "truncated_by_server": cut_short,
+            "server_refusal": refusals[0] if refusals else None}
     return out, info

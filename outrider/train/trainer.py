@@ -11,8 +11,9 @@ Contract:
 - Each unroll step's loss is averaged over the loss positions of the whole global batch (counts
   known from the masks before any forward), so 1 and N processes compute the same gradient.
 - The draft vocabulary comes from the training split's loss-token counts and is stored with
-  every checkpoint; a resume refuses data whose counts differ; an ``init`` fine-tune keeps its
-  head's vocabulary.
+  every checkpoint; an ``init`` fine-tune keeps its head's vocabulary. A resume refuses any change
+  of what makes the result (``resume``: data, dtype, source, ...) unless ``allow_change`` names it.
+- ``signals``: SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint.
 - ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
   ``outrider.train.checkpoint``), ``metrics.jsonl`` (``outrider.train.metrics``) and
   ``train_config.json``; directories are swapped in atomically, so a run killed at any point
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,35 +49,17 @@ from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
+from outrider.signals import Interrupted, Signals
 from outrider.train import checkpoint, dist, flops, head_init, logs, soft_ce
+from outrider.train import resume as same_run
 from outrider.train.datasets import BatchCursor, to_device
 from outrider.train.features import open_target
 from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
+from outrider.train.schedule import lr_factor
 from outrider.train.stream import stream_options
 from outrider.train.stream_train import StreamedOnline
 from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
-
-# --------------------------------------------------------------------------------------------
-# Schedule
-
-
-def lr_factor(step: int, config: TrainConfig, budget_used: float = 0.0) -> float:
-    """Multiplier of ``lr`` for the optimizer step after ``step`` completed ones.
-
-    Linear warm-up, then a cosine whose progress is the larger of the steps done after warm-up
-    and ``budget_used`` (the fraction of ``time_budget_s`` spent): a run stopped by its time
-    budget still anneals to ``min_lr_ratio`` as it ends.
-    """
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    span = max(config.steps - config.warmup_steps, 1)
-    progress = min(max((step - config.warmup_steps) / span, budget_used), 1.0)
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# --------------------------------------------------------------------------------------------
-# The trainer
 
 
 def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
@@ -83,24 +67,24 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
           dtype: str | torch.dtype | None = None, max_steps: int | None = None,
           aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
           cache: str | None = None, device_map: str | dict | None = None, offload_folder: str | None = None,
-          stream: dict[str, Any] | None = None, report_to: str = "none") -> TrainReport:
+          stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
+          signals: Signals | None = None, report_to: str = "none") -> TrainReport:
     """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
     with no forward of the target: ``outrider.train.features``) into ``out``.
 
     preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
     config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
-    init:          a head folder (any format ``outrider.export.load_head`` reads) or an earlier
-                   run's ``out`` to fine-tune; its vocabulary must be the one the data gives
+    init:          a head folder (any format ``load_head`` reads) or an earlier run's ``out`` to fine-tune
     resume:        continue the run in ``out/last`` exactly where it stopped
     max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
     aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
     cache:         a hidden-state cache (ours, SpecForge's or speculators'), instead of ``data``
-    device_map:    place the target through accelerate (``outrider.models.parse_device_map``: several
-                   GPUs, CPU and disk offload into ``offload_folder``); the head stays on ``device``
-    stream:        stream the target layer by layer instead of loading it (``StreamedTarget``'s
-                   options: ``gpu_memory``, ``tokens_per_pass``, ``packing``): each pass of upcoming
-                   examples is captured, then trained on (``outrider.train.stream_train``)
+    device_map:    place the target through accelerate (``models.parse_device_map``, offload into
+                   ``offload_folder``); the head stays on ``device``
+    stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
+    allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.resume.NAMES``)
+    signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
     report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.logs``)
     """
     if (data is None) == (cache is None):
@@ -109,7 +93,8 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
     env = dist.init_from_env(device)
     try:
         return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
-                        progress, loaded_target, cache, (device_map, offload_folder), stream, report_to).run()
+                        progress, loaded_target, cache, (device_map, offload_folder), stream, allow_change,
+                        signals, report_to).run()
     finally:
         dist.shutdown(env)
 
@@ -120,7 +105,8 @@ def train_from_cli(args: Any) -> TrainReport:
                    resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
                    aux_layer_ids=args.aux_layers, progress=not args.quiet, cache=getattr(args, "cache", None),
                    device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None),
-                   stream=stream_options(args), report_to=getattr(args, "report_to", "none"))
+                   stream=stream_options(args), allow_change=getattr(args, "allow_change", None) or (),
+                   signals=getattr(args, "signals", None), report_to=getattr(args, "report_to", "none"))
     if report.rank == 0:
         print(report.summary())
     return report
@@ -131,8 +117,10 @@ class _Trainer:
                  config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
                  max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
                  cache: str | None = None, placement: tuple[Any, Any] = (None, None),
-                 stream: dict[str, Any] | None = None, report_to: str = "none"):
+                 stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
+                 signals: Signals | None = None, report_to: str = "none"):
         self.t_start, self.report_to, self.log = time.perf_counter(), report_to, None
+        self.signals, self.interrupt = signals, None
         self.env, self.target_name, self.data, self.init = env, str(target), str(cache or data), init
         self.out = Path(out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
@@ -140,6 +128,10 @@ class _Trainer:
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
         self._open_target(data, cache, dtype, loaded_target, placement, stream)
+        self.identity = same_run.identity(data, cache, stream, parse_dtype(dtype, self.env.device),
+                                          self.config.aux_layer_ids, self.target.config, self.config)
+        self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, allow_change) \
+            if self.resume_state is not None else {}
         self._build_head(init)
         self._build_optimizer()
         self._restore()
@@ -151,21 +143,8 @@ class _Trainer:
         """The run's settings: the checkpoint's when resuming, else preset / config / flags."""
         env = self.env
         if self.resume_state is not None:
-            saved = TrainConfig.from_dict(self.resume_state["config"])
-            if config is not None or preset is not None:
-                asked, _ = resolve_config(preset, config, env.device.type)
-                if asked.replace(aux_layer_ids=saved.aux_layer_ids) != saved:
-                    raise UserError("--resume continues with the checkpoint's settings: drop --preset/--config, "
-                                    "or train into a new --out")
-            if aux_layer_ids is not None and tuple(sorted(aux_layer_ids)) != saved.aux_layer_ids:
-                raise UserError(f"--aux-layers {list(aux_layer_ids)} differ from the checkpoint's "
-                                f"{list(saved.aux_layer_ids)}: drop --aux-layers to resume")
-            if init is not None:
-                raise UserError("--init starts a new run from a head and --resume continues one: give only one")
-            if int(self.resume_state["world_size"]) != env.world_size:
-                raise UserError(f"the checkpoint was written by {self.resume_state['world_size']} process(es), this "
-                                f"run has {env.world_size}: resume with the same --nproc-per-node")
-            self.config, self.preset = saved, self.resume_state.get("preset")
+            self.config, self.preset = same_run.settings(self.resume_state, preset, config, aux_layer_ids, init,
+                                                       env.world_size, env.device.type)
         else:
             if (self.last_dir / "trainer_state.pt").exists():
                 raise UserError(f"{self.out} already holds a training run: pass --resume to continue it, "
@@ -236,7 +215,7 @@ class _Trainer:
             saved = DraftVocab.load(self.last_dir)
             same = saved.target_vocab_size == vocab_size and saved.total == int(counts.sum()) \
                 and torch.equal(saved.counts, counts[saved.draft_ids])
-            if not same:
+            if not same and "data" not in self.changed:  # an allowed change of data keeps the head's rows
                 check_same(saved, self.vocab)  # the clearer message where the vocabulary itself moved
                 raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
                                 "with the same --data, or train into a new --out")
@@ -346,8 +325,9 @@ class _Trainer:
         train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             checkpoint.set_rng_state(self.resume_state["rng"])
+        deferred = self.signals.deferred() if self.signals is not None else contextlib.nullcontext()
         try:
-            with self.target_capture() as capture:
+            with self.target_capture() as capture, deferred:
                 self.capture = capture
                 for launched, m, counted, queued, dt in self._steps(objective):
                     m["ahead"] = launched.ahead
@@ -366,9 +346,13 @@ class _Trainer:
                         self.stop_at = self.step + queued  # a step already queued is finished and counted
                         self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
                                           f"step {self.stop_at} of {cfg.steps}")
-                    if env.is_main and (self.step % cfg.log_every == 0 or self.step == self.stop_at):
-                        self.log.write({"type": "train", **m})
-                    if self.step % cfg.eval_every == 0 or self.step == self.stop_at:
+                    if self.interrupt is None and self.step < self.stop_at and self._any_rank(
+                            self.signals is not None and self.signals.received is not None):
+                        self.interrupt, self.stop_at = self.signals.received or 15, self.step + queued
+                    end = self.step == self.stop_at and self.interrupt is None  # a signal's stop is no end
+                    if env.is_main and (self.step % cfg.log_every == 0 or end):
+                        self._log({"type": "train", **m})
+                    if self.step % cfg.eval_every == 0 or end:
                         self._evaluate(bar)
                     if self.step % cfg.save_every == 0 or self.step == self.stop_at:
                         self._checkpoint()
@@ -377,6 +361,9 @@ class _Trainer:
             bar.close()
             if self.log is not None:
                 self.log.close()
+        if self.interrupt is not None:
+            raise Interrupted(self.interrupt, f"the checkpoint at step {self.step} of {cfg.steps} is in {self.last_dir}; "
+                                              "rerun with --resume to continue exactly")
         if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
             self._checkpoint_head()  # a resume of a finished run with no head/ left
         mfu = total_flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
@@ -398,11 +385,13 @@ class _Trainer:
         return self.train_s / budget if budget else 0.0
 
     def _over_budget(self, train_s: float) -> bool:
-        """Has any rank trained for ``time_budget_s``? (every rank takes the same decision)"""
-        over = train_s >= self.config.time_budget_s
+        return self._any_rank(train_s >= self.config.time_budget_s)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Is ``flag`` true on any rank? (every rank takes the same decision: the time budget, a signal)"""
         if not self.env.distributed:  # no device tensor, no synchronisation on one process
-            return over
-        return float(dist.all_reduce_sum(torch.tensor([float(over)], device=self.env.device), self.env)[0]) > 0
+            return flag
+        return float(dist.all_reduce_sum(torch.tensor([float(flag)], device=self.env.device), self.env)[0]) > 0
 
     def objective(self) -> TTTModule:
         """The head and its TTT loss as the config sets them (kernels and attention on CUDA only)."""
@@ -552,7 +541,7 @@ class _Trainer:
                 self._checkpoint_head()
             dist.barrier(self.env)
         if self.env.is_main:
-            self.log.write(m)
+            self._log(m)
             bar.log(f"step {self.step}: {source} loss {m['loss']:.4f}, acc0 {m['per_step_acc'][0]:.3f}, "
                     f"simulated tau@{self.config.tau_k} {m['sim_tau_k']:.3f}"
                     + (f", walked {m['walk_tau_k']:.3f}" if "walk_tau_k" in m else "") + (" (best)" if better else ""))
@@ -567,6 +556,14 @@ class _Trainer:
             "global_batch_tokens": self.global_batch_tokens, "device": str(dev),
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
+        if self.resume_state is not None:
+            if self.changed:  # a deliberate change, on the record
+                self._log({"type": "resume", "step": self.step, "changed": self.changed})
+            print(same_run.resumed_line(self.out, self.step, self.config.steps, self.identity, self.changed),
+                  file=sys.stderr)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.log.write(record)
 
     def _head_extra(self) -> dict[str, Any]:
         best = self.best_score if self.best_score > -math.inf else None
@@ -590,11 +587,12 @@ class _Trainer:
                 "preset": self.preset, "best_step": self.best_step, "best_score": self.best_score,
                 "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
                 "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(), "train_s": self.train_s,
+                "identity": self.identity,
                 "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
                            "tokens": self.window.tokens},
             }
             readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
-                                              "target", "data", "vocab_fingerprint")}
+                                              "target", "data", "vocab_fingerprint", "identity")}
             readable["best_sim_tau_k"] = self._head_extra()["training"]["sim_tau_k"]
             checkpoint.write_state(self.last_dir, state, self._save_head, self.vocab, readable)
         dist.barrier(self.env)
