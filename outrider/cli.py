@@ -227,18 +227,36 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return 0
     from outrider.plan.planner import plan
 
-    def run(plot_dir: str | None) -> None:
-        plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau, alpha=a.alpha,
-             ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context, json_path=a.json,
-             plot_dir=plot_dir, console=_console(a.json), tau_k=a.tau_k, draft=a.draft, draft_vocab=a.draft_vocab,
-             routing_histogram=a.routing_histogram, measured=measured, batching=a.batching,
-             new_tokens=a.new_tokens)
+    def run():
+        return plan(a.target, a.hardware, tp=a.tp, batches=a.batch, acceptance=a.acceptance, tau=a.tau,
+                    alpha=a.alpha, ks=a.k, weight_dtype=a.weight_dtype, calibrate=a.calibrate, context=a.context,
+                    json_path=a.json, console=_console(a.json), tau_k=a.tau_k, draft=a.draft,
+                    draft_vocab=a.draft_vocab, routing_histogram=a.routing_histogram, measured=measured,
+                    batching=a.batching, new_tokens=a.new_tokens)
 
     if a.plot is None:
-        run(None)
-    else:
-        with claim_dir(a.plot, "plots", "--plot") as claim:
-            run(str(claim.path))
+        run()
+        return 0
+    from outrider.report import plots
+
+    with claim_dir(a.plot, "plots", "--plot") as claim:
+        result = run()
+        if not plots.available():
+            print(f"plots skipped: matplotlib is not installed ({plots.INSTALL})", file=sys.stderr)
+            return 0
+        written = plots.plan_pngs(result.rows, f"{result.target} on {result.tp} x {result.hardware.name}", claim.path)
+    print(f"plots: {', '.join(str(p) for p in written)}", file=sys.stderr if a.json == "-" else sys.stdout)
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from outrider.outputs import check_file
+    from outrider.report.page import write_report
+
+    check_file(a.out, "report", "--out")
+    for note in write_report(a.paths, a.out):
+        print(f"note: {note}", file=sys.stderr)
+    print(f"report: {a.out}")
     return 0
 
 
@@ -394,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                          + ", ".join(RESUME_NAMES) + ", or all; without it any difference is refused")
     sp.add_argument("--max-steps", type=POSITIVE, default=None,
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
+    sp.add_argument("--report-to", default="none", choices=["tensorboard", "wandb", "none"],
+                    help="also log metrics.jsonl's scalars to TensorBoard (event files in OUT/tensorboard) or "
+                         "Weights & Biases; needs that package installed")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
     placement(sp)
@@ -485,6 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rates", default=None, metavar="F", help="JSON of measured rates replacing the built-in ones")
     tr.add_argument("--out", default=None, metavar="PLAN.md", help="write the training plan as Markdown")
     sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("report", help="one self-contained HTML page of runs, bench records and plans")
+    sp.add_argument("paths", nargs="+", metavar="PATH",
+                    help="training run folders, bench or plan JSON files (--json of bench and plan), demo folders")
+    sp.add_argument("--out", required=True, metavar="F", help="the HTML file (new, or an earlier report)")
+    sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("demo", help="the whole pipeline on the embedded default")
     sp.add_argument("--preset", default=None, choices=["quick", "full"])

@@ -16,8 +16,8 @@ Contract:
 - Under the lock, temporaries a killed run left in the folder or next to it are removed
   (``fsutil.remove_stale_temps``). A claim that created the folder removes it again when the
   verb fails before writing anything.
-- A file output (``--json F``, ``plan --out F``) is checked with ``check_file(path, kind)`` before
-  the verb starts: not a folder, nor a device, pipe or socket, its first existing parent a
+- A file output (``--json F``, ``plan --out F``, ``report --out F``) is checked with
+  ``check_file(path, kind)`` before the verb starts: not a folder, nor a device, pipe or socket, its first existing parent a
   writable folder, and an existing file replaced only when it is an earlier output of the same
   kind (``FILE_KINDS``); ``-`` (standard output) is always fine. It is then written through
   ``fsutil`` (``write_json_output``, ``atomic_write_text``), whose every ``OSError`` is one line
@@ -86,6 +86,8 @@ FILE_KINDS: dict[str, tuple[str, Callable[[Path], bool]]] = {  # kind -> (what w
     "train-plan": ("`outrider plan --train --json`",
                    lambda p: isinstance(d := _json(p), dict) and "stages" in d and "sizes" in d),
     "train-plan-md": ("`outrider plan --train --out`", lambda p: p.read_bytes().startswith(b"# Training plan")),
+    "report": ("`outrider report --out`",
+               lambda p: b'<meta name="generator" content="outrider report">' in p.read_bytes()[:400]),
     "inspect": ("`outrider inspect --json`",
                 lambda p: isinstance(d := _json(p), dict) and "servable" in d and "checks" in d),
 }

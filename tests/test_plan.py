@@ -154,18 +154,6 @@ def test_bad_acceptance_files(tmp_path):
         plan(str(tmp_path), "h200", console=quiet()[0])
 
 
-def test_plots_or_note(tmp_path):
-    console, buf = quiet()
-    plan("default", "h200", batches=[1, 8], ks=[1, 2], plot_dir=str(tmp_path / "plots"), console=console)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "plots skipped: matplotlib is not installed" in buf.getvalue()
-    else:
-        assert (tmp_path / "plots" / "speedup_vs_batch.png").stat().st_size > 0
-        assert (tmp_path / "plots" / "speedup_vs_k_batch8.png").stat().st_size > 0
-
-
 def test_routing_histogram(tmp_path):
     skewed = [40.0] * 48 + [1.0] * 336
     path = tmp_path / "hist.json"

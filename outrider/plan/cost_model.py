@@ -414,7 +414,16 @@ class Prediction:
             "verify_step_ms": self.verify_step_s * 1e3, "draft_round_ms": self.draft_round_s * 1e3,
             "dominant_terms": [{"term": n, "share": round(s, 4)} for n, s in self.dominant(3)],
             "memory_gb_per_gpu": round(self.memory_bytes / 1e9, 3), "fits_memory": self.fits,
+            "verify_terms_ms": _terms_ms(self.verify), "draft_terms_ms": _terms_ms(self.draft),
         }
+
+
+def _terms_ms(cost: StepCost) -> dict[str, float]:
+    """A step's named terms in milliseconds (terms of one name summed), for the JSON rows."""
+    out: dict[str, float] = {}
+    for t in cost.terms:
+        out[t.name] = out.get(t.name, 0.0) + t.time_s * 1e3
+    return out
 
 
 def predict(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, acceptance: Acceptance, k: int,

@@ -21,15 +21,16 @@ Contract:
   as its slowest row, ``batching``).
 - Prints one table per batch size (method x k: expected tokens, verify/step cost ratio,
   draft round, tokens/s, speedup) and a recommendation per batch naming the dominant cost
-  terms; ``json_path`` receives the rows (atomically), ``plot_dir`` PNG plots when
-  matplotlib is installed. Every user mistake is a one-line ``UserError``.
+  terms; ``json_path`` receives the rows (atomically), each with the target, hardware, date and
+  commit it was predicted for and by. Every user mistake is a one-line ``UserError``.
 
 Memory: each row states the GB per GPU it needs (weights + KV cache of ``batch`` x (``context`` +
 ``new_tokens``) tokens at the target's KV bytes per token: MLA's latent, replicated over TP, or
 GQA's keys and values, split by KV head); a row that does not fit the GPU says so, the notes give
 the sizes, and the recommendation skips it.
 
-Not done here: measuring anything (``bench`` does), choosing tree shapes, activations and engine
+Not done here: plots (``plan --plot`` draws ``rows`` through ``outrider.report.plots``, joined in
+``cli``), measuring anything (``bench`` does), choosing tree shapes, activations and engine
 workspace in the memory estimate.
 """
 
@@ -70,8 +71,8 @@ from outrider.plan.hardware import (
     parse_precision,
 )
 from outrider.plan.measured import Fit, fit_profile, load_measured
-from outrider.plan.plot import plot_plan
 from outrider.plan.presets import resolve_target
+from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
@@ -108,7 +109,10 @@ class PlanResult:
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        return [p.to_row() for p in self.predictions]
+        """The JSON rows: each prediction with what it was predicted for, when and by which commit."""
+        where = {"target": self.target, "hardware": self.hardware.name, "tp": self.tp, "context": self.context,
+                 "date": today(), "git_commit": git_commit()}
+        return [{**p.to_row(), **where} for p in self.predictions]
 
     def best(self, batch: int) -> Prediction | None:
         cands = [p for p in self.predictions if p.batch == batch]
@@ -265,11 +269,11 @@ def _recommend(batch: int, preds: list[Prediction], need: float = 0.0,
 def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,), acceptance: str | None = None,
          tau: float | None = None, alpha: float | None = None, ks: Sequence[int] = range(1, 8),
          weight_dtype: str | None = None, calibrate: str | None = None, context: int = 2048,
-         json_path: str | None = None, plot_dir: str | None = None, console=None, *,
+         json_path: str | None = None, console=None, *,
          tau_k: int = 3, draft: str | None = None, draft_vocab: int = 32000,
          routing_histogram: str | Sequence[float] | None = None, measured: Any = None,
          batching: str = "continuous", new_tokens: int = 128) -> PlanResult:
-    """Predict tokens/s and speedup for each method x k x batch; print, and write JSON/plots.
+    """Predict tokens/s and speedup for each method x k x batch; print, and write the JSON rows.
 
     ``tau`` is the acceptance length measured at ``tau_k`` draft tokens (published K2.5 heads:
     ~3 at k=3); ``alpha`` the per-token acceptance. Both set EAGLE-3's (and ``draft``'s)
@@ -415,12 +419,6 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     _print(result, shape, console)
     if json_path is not None:
         write_json_output(json_path, result.rows)
-    if plot_dir is not None:
-        written = plot_plan(result, plot_dir)
-        if written is None:
-            console.print("plots skipped: matplotlib is not installed (pip install matplotlib)")
-        else:
-            console.print(f"plots: {', '.join(str(p) for p in written)}")
     return result
 
 

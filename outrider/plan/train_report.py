@@ -16,6 +16,7 @@ from typing import Any
 from outrider.fsutil import atomic_write_text, write_json_output
 from outrider.plan import rates as R
 from outrider.plan.train_plan import Figure, Stage, TrainPlan
+from outrider.provenance import git_commit, today
 
 PUBLISHED_K25 = ("published EAGLE-3 heads for Kimi-K2.5 reach an acceptance length of about 2.7-3.3 at k = 3 "
                  "(huggingface.co/lightseekorg/kimi-k2.5-eagle3, lightseekorg/kimi-k2.5-eagle3-mla, "
@@ -111,7 +112,8 @@ def _stage_json(s: Stage) -> dict[str, Any]:
 def to_json(plan: TrainPlan) -> dict[str, Any]:
     s, t = plan.sizes, plan.tau
     return {
-        "target": plan.target, "hardware": plan.hardware.name, "gpus": plan.gpus,
+        "target": plan.target, "hardware": plan.hardware.name, "gpus": plan.gpus, "date": today(),
+        "git_commit": git_commit(),
         "sizes": {"conversations": s.conversations, "turns": s.turns, "tokens_per_turn": s.tokens_per_turn,
                   "epochs": s.epochs, "max_length": s.max_length, "reply_share": s.reply_share,
                   "distinct_tokens": s.distinct_tokens, "generated_tokens": s.generated_tokens,

@@ -17,7 +17,7 @@ Contract:
 - ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
   ``outrider.train.checkpoint``), ``metrics.jsonl`` (``outrider.train.metrics``) and
   ``train_config.json``; directories are swapped in atomically, so a run killed at any point
-  leaves the previous complete ``last/`` and ``head/``.
+  leaves the previous complete ``last/`` and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
 - Exact resume: ``resume=True`` continues with the next micro-batch of the same epoch order;
   bit-identical on CPU to a run never interrupted. ``run_ahead`` queues step n+1 before reading
   step n's metrics (equal results, bit-identical on CPU).
@@ -44,14 +44,13 @@ from torch import nn
 
 from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
-from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.heads.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.heads.formats import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
-from outrider.train import checkpoint, dist, flops, head_init, soft_ce
+from outrider.train import checkpoint, dist, flops, head_init, logs, soft_ce
 from outrider.train import resume as same_run
 from outrider.train.datasets import BatchCursor, to_device
 from outrider.train.features import open_target
@@ -69,7 +68,7 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
           aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
           cache: str | None = None, device_map: str | dict | None = None, offload_folder: str | None = None,
           stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-          signals: Signals | None = None) -> TrainReport:
+          signals: Signals | None = None, report_to: str = "none") -> TrainReport:
     """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
     with no forward of the target: ``outrider.train.features``) into ``out``.
 
@@ -86,14 +85,16 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
     stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
     allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.resume.NAMES``)
     signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
+    report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.logs``)
     """
     if (data is None) == (cache is None):
         raise UserError("give either --data (a token dataset) or --cache (a hidden-state cache), not both")
+    logs.require(report_to)
     env = dist.init_from_env(device)
     try:
         return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
                         progress, loaded_target, cache, (device_map, offload_folder), stream, allow_change,
-                        signals).run()
+                        signals, report_to).run()
     finally:
         dist.shutdown(env)
 
@@ -105,7 +106,7 @@ def train_from_cli(args: Any) -> TrainReport:
                    aux_layer_ids=args.aux_layers, progress=not args.quiet, cache=getattr(args, "cache", None),
                    device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None),
                    stream=stream_options(args), allow_change=getattr(args, "allow_change", None) or (),
-                   signals=getattr(args, "signals", None))
+                   signals=getattr(args, "signals", None), report_to=getattr(args, "report_to", "none"))
     if report.rank == 0:
         print(report.summary())
     return report
@@ -117,13 +118,12 @@ class _Trainer:
                  max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
                  cache: str | None = None, placement: tuple[Any, Any] = (None, None),
                  stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-                 signals: Signals | None = None):
-        self.t_start = time.perf_counter()
+                 signals: Signals | None = None, report_to: str = "none"):
+        self.t_start, self.report_to, self.log = time.perf_counter(), report_to, None
         self.signals, self.interrupt = signals, None
         self.env, self.target_name, self.data, self.init = env, str(target), str(cache or data), init
         self.out = Path(out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
-        self.metrics_path = self.out / "metrics.jsonl"
         self.progress, self.notes = progress and env.is_main, []
         self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
         self._settings(preset, config, init, max_steps, aux_layer_ids)
@@ -336,7 +336,7 @@ class _Trainer:
                     tokens_seen += m["tokens"]
                     weights, attention = self._step_flops(m["tokens"], counted, m["attn_pairs"])
                     total_flops += weights + attention
-                    m["tokens_per_s"] = round(m["tokens"] / dt, 2)
+                    m["tokens_per_s"], m["train_s"] = round(m["tokens"] / dt, 2), round(self.train_s, 3)
                     if self.peak:
                         m["mfu"] = round((weights + attention) / (dt * self.peak * env.world_size), 5)
                         m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
@@ -359,6 +359,8 @@ class _Trainer:
                 self.notes.extend(capture.notes)
         finally:
             bar.close()
+            if self.log is not None:
+                self.log.close()
         if self.interrupt is not None:
             raise Interrupted(self.interrupt, f"the checkpoint at step {self.step} of {cfg.steps} is in {self.last_dir}; "
                                               "rerun with --resume to continue exactly")
@@ -528,7 +530,7 @@ class _Trainer:
         self._maybe_best(sums.metrics(self.weights, cfg.tau_k), bar, source="eval")
 
     def _maybe_best(self, m: dict[str, Any], bar: Bar, source: str) -> None:
-        m = {"type": "eval", "source": source, "step": self.step, **m}
+        m = {"type": "eval", "source": source, "step": self.step, **m, "train_s": round(self.train_s, 3)}
         better = m["sim_tau_k"] > self.best_score
         m["best"] = better
         self.last_eval = m
@@ -547,23 +549,21 @@ class _Trainer:
     # -- files ----------------------------------------------------------------------------------
 
     def _prepare_out(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        if self.resume_state is None:
-            atomic_write_json(self.out / "train_config.json", {
-                "config": self.config.to_dict(), "preset": self.preset, "target": self.target_name,
-                "data": self.data, "init": self.init, "world_size": self.env.world_size,
-                "global_batch": self.global_batch, "global_batch_tokens": self.global_batch_tokens, "device": str(self.env.device),
-                "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
-            atomic_write_text(self.metrics_path, "")
-        else:
-            checkpoint.cut_metrics(self.metrics_path, self.step)
+        dev = self.env.device
+        self.log = logs.open_run(self.out, self.report_to, None if self.resume_state is None else self.step, {
+            "config": self.config.to_dict(), "preset": self.preset, "target": self.target_name, "data": self.data,
+            "init": self.init, "world_size": self.env.world_size, "global_batch": self.global_batch,
+            "global_batch_tokens": self.global_batch_tokens, "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "head_config": self.head.config.to_dict(), "draft_vocab": self.vocab.summary()})
+        if self.resume_state is not None:
             if self.changed:  # a deliberate change, on the record
                 self._log({"type": "resume", "step": self.step, "changed": self.changed})
             print(same_run.resumed_line(self.out, self.step, self.config.steps, self.identity, self.changed),
                   file=sys.stderr)
 
     def _log(self, record: dict[str, Any]) -> None:
-        checkpoint.append_metric(self.metrics_path, record)
+        self.log.write(record)
 
     def _head_extra(self) -> dict[str, Any]:
         best = self.best_score if self.best_score > -math.inf else None
