@@ -188,6 +188,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
                                    source=source, teacher_topk=a.teacher_topk, ranks=ranks)
     finally:
         if env is not None:
+            dist.leaving(env)
             ranks.leave()
             dist.shutdown(env)
     if ranks.lead:
