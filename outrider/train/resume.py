@@ -28,6 +28,8 @@ from typing import Any, Sequence
 from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
 
+CONFIG_BOOKKEEPING = ("architectures", "transformers_version", "torch_dtype", "dtype", "name_or_path", "output_hidden_states",
+                     "use_cache", "return_dict")
 NAMES = ("source", "data", "template", "dtype", "aux_layers", "target", "loss")  # the first difference is named
 LOSS_KEYS = ("ttt_steps", "step_decay", "loss_kernel", "amp", "max_length", "draft_vocab_size")
 _HELP = {"data": "the training data's content", "template": "the chat template the data was rendered with",
@@ -107,6 +109,9 @@ def identity(data: str | None, cache: str | None, stream: dict[str, Any] | None,
     """What, besides the config, makes this run's result (see the module docstring); ``target_config``:
     a ``transformers`` config or its dict."""
     target_config = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    # the model's shape and numerics, not where it was read from, the library that wrote it or its dtype
+    # (compared on its own): a target saved and read back is the same target
+    target_config = {k: v for k, v in target_config.items() if k not in CONFIG_BOOKKEEPING and not k.startswith("_")}
     digest, template = data_identity(cache or data)
     source: Any = "cache" if cache else ("stream " + json.dumps(stream, sort_keys=True, default=str)
                                          if stream is not None else "online")
