@@ -24,11 +24,9 @@ Not done here: server-level load tests, latency percentiles under concurrency.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -54,28 +52,10 @@ from outrider.errors import UserError, require
 from outrider.fsutil import read_text, write_json_output
 from outrider.models import load_model
 from outrider.progress import Bar
+from outrider.provenance import git_commit, today
 from outrider.verdict import judge
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
-
-
-def git_commit() -> str | None:
-    """The checkout's short commit, with ``-dirty`` when tracked files differ from it (a copied tree
-    beside an older ``.git``, uncommitted edits); None outside a git checkout (an installed package)."""
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
-                             timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    if not commit:
-        return None
-    return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
 MAX_PROMPT_TOKENS = 512  # bench's --max-prompt-tokens default
 
 
@@ -441,7 +421,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         "compiled": bool(spec.compile),
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "date": today(),
     }
     if hf_baseline:
         record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s

@@ -28,27 +28,16 @@ Not done here: starting servers, open-loop (Poisson) arrival, sampling-mode chec
 
 from __future__ import annotations
 
-import datetime as _dt
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import write_json_output
+from outrider.provenance import git_commit, today
 from outrider.served.client import Endpoint, Reply
 from outrider.served.metrics import Served, acceptance, engine_of, parse_exposition
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -146,7 +135,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
         if served.tau is None:
             rec["k"] = 0  # as far as the engine tells: plain decoding
         rec.update({"device": f"served ({engine or 'unknown engine'})", "dtype": None,
-                    "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), "git_commit": commit})
+                    "date": today(), "git_commit": commit})
         records.append(rec)
         if log is not None:
             short = f" (only {len(texts)} prompts: at most {len(texts)} in flight; raise --num-prompts)" \
