@@ -224,6 +224,10 @@ def _check_bench(a: argparse.Namespace) -> None:
         raise UserError("--compare reads two earlier runs and --server measures a new one: give only one")
     if a.baseline_server and not a.server:
         raise UserError("--baseline-server needs --server (the speculative deployment to compare with it)")
+    served_only = [flag for flag, value in (("--server-model", a.server_model),
+                                            ("--baseline-server-model", a.baseline_server_model)) if value]
+    if served_only and not a.server:
+        raise UserError(f"{served_only[0]} names a model on a served engine: it needs --server URL")
     if a.target is None and not (a.server or a.compare):
         raise UserError("bench needs a target T (our engine), or --server URL (a served engine)")
 

@@ -290,5 +290,7 @@ def test_flag_combinations_are_refused(prompts, capsys):
     assert "needs a target T" in _one_line(capsys)
     assert main(["bench", "--baseline-server", "http://127.0.0.1:1", "--prompts", prompts]) == 2
     assert "needs --server" in _one_line(capsys)
+    assert main(["bench", "default", "--method", "ngram", "--server-model", "m", "--prompts", prompts]) == 2
+    assert "--server-model names a model on a served engine: it needs --server" in _one_line(capsys)
     assert main(["bench", "--server", "ftp://x", "--prompts", prompts]) == 2
     assert "http(s) URL" in _one_line(capsys)
