@@ -84,13 +84,20 @@ def _forward(model: torch.nn.Module, ids: list[int], cache: DynamicCache) -> tor
     return model(input_ids=x, use_cache=True, **{cache_parameter(model.forward): cache}).logits[0].float()
 
 
+def _fill(model: torch.nn.Module, ids: list[int], cache: DynamicCache) -> None:
+    """Run ``ids`` into ``cache`` only: the logits of the last position alone, not a [n, vocab]
+    projection that would be thrown away (large at the vocabularies of the targets outrider is for)."""
+    x = torch.tensor([ids], device=_device(model))  # [1, n]
+    model(input_ids=x, use_cache=True, logits_to_keep=1, **{cache_parameter(model.forward): cache})
+
+
 @torch.no_grad()
 def _last_logits(model: torch.nn.Module, ids: list[int], tail: int) -> torch.Tensor:
     """Logits [tail, vocab] (float32) of the last ``tail`` positions of ``ids``, computed as the
     engines compute a step of that width: one forward over the cache of ``ids[:-tail]``, then the
     last ``tail`` tokens in one forward."""
     cache = DynamicCache(config=model.config)
-    _forward(model, ids[:-tail], cache)
+    _fill(model, ids[:-tail], cache)
     return _forward(model, ids[-tail:], cache)
 
 
@@ -106,7 +113,7 @@ def noise_bound(model: torch.nn.Module, texts: Sequence[Sequence[int]]) -> float
             continue
         whole = _forward(model, ids, DynamicCache(config=model.config))[-n:]  # [n, vocab]
         cache = DynamicCache(config=model.config)
-        _forward(model, ids[:-n], cache)
+        _fill(model, ids[:-n], cache)
         stepped = torch.cat([_forward(model, [t], cache) for t in ids[-n:]])  # [n, vocab]
         top = whole.topk(min(TOP, whole.shape[-1]), dim=-1).indices  # [n, TOP]
         worst = max(worst, float((whole.gather(-1, top) - stepped.gather(-1, top)).abs().max()))
