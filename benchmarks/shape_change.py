@@ -22,11 +22,11 @@ import torch
 
 from outrider.bench import load_prompts
 from outrider.decode.engine import SpecEngine, eos_token_ids
-from outrider.decode.graphs import CompileOptions
 from outrider.decode.proposers.ngram import NgramProposer
 from outrider.errors import UserError
 from outrider.fsutil import write_json_output
 from outrider.models import load_model
+from outrider.ops.graphs import CompileOptions
 from outrider.provenance import git_commit
 
 

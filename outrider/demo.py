@@ -23,10 +23,11 @@ from outrider import assets, sharegpt
 from outrider.bench import bench, print_table, verdict_cell
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
-from outrider.decode.sampling import SamplingParams, derived_seed
+from outrider.decode.sampling import SamplingParams
 from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.heads.formats import export
 from outrider.models import load_model
+from outrider.ops.seeds import derived_seed
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.planner import plan
 from outrider.train.prepare import build_dataset

@@ -70,7 +70,7 @@ def test_static_and_compiled_steps_equal_transformers(tiny_kind, tiny_models, re
     proposer = {"ar": None, "ngram": NgramProposer(1, 3),
                 "eagle3": Eagle3Proposer(_head(model), model) if method == "eagle3" else None}[method]
     options = {"read_len": "max"} if variant == "static" else {"compile": "aot_eager"}
-    from outrider.decode.graphs import graphable
+    from outrider.ops.graphs import graphable
     from outrider.decode.runner import CachedLM
 
     widths, forward = [], CachedLM.forward
@@ -156,7 +156,7 @@ _FOLD_SCRIPT = """
 import json, re, torch, torch._inductor.config
 from torch._inductor.utils import run_and_get_code
 from outrider.decode import runner
-from outrider.decode.graphs import CompileOptions
+from outrider.ops.graphs import CompileOptions
 from tiny import make_tiny
 model = make_tiny("llama")
 ids = torch.tensor([[5, 6, 7, 8]])
@@ -314,7 +314,7 @@ def test_static_shapes_compile_every_width_and_keep_the_logits(tiny_models):
     the third), and its logits equal the eager step's."""
     from torch._dynamo.utils import counters
 
-    from outrider.decode.graphs import CompileOptions
+    from outrider.ops.graphs import CompileOptions
     from outrider.decode.runner import CachedLM
 
     model = tiny_models("llama")

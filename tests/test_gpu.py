@@ -64,7 +64,7 @@ def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
     """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
     eager forward) gives the eager forward's logits and aux states, and the step after it the
     same logits, for a prompt other than the one the graph was captured with (same shapes)."""
-    from outrider.decode.graphs import graphable
+    from outrider.ops.graphs import graphable
     from outrider.decode.runner import CachedLM
 
     model, _ = cuda_models(tiny_kind)

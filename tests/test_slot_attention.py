@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.runner import CachedLM
-from outrider.decode.slot_attention import NAME, slot_attention, using_slot_attention
+from outrider.ops.slot_attention import NAME, slot_attention, using_slot_attention
 
 
 def _step_logits(model, slots: bool) -> torch.Tensor:

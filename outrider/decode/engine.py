@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from outrider.decode.graphs import CompileOptions, compile_options
+from outrider.ops.graphs import CompileOptions, compile_options
 from outrider.decode.kv_cache import static_cache
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.rounds import DeviceRounds

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from outrider.decode.graphs import (
+from outrider.ops.graphs import (
     CompileOptions,
     capture_graph,
     compiled,

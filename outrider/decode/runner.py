@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from outrider.decode.graphs import (
+from outrider.ops.graphs import (
     CompileOptions,
     capture_graph,
     compile_options,

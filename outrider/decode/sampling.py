@@ -9,15 +9,12 @@ Contract:
   request's draws do not depend on what else is in the batch, and a fixed seed reproduces a run.
 - ``sample(probs, u)`` draws by inverse CDF from explicit uniforms, so every random decision is
   made from a uniform drawn by ``RowRandom`` (easy to test, no hidden global RNG).
-- ``derived_seed(seed, index, bits)`` is the seed of stream ``index`` (an int or a string) of
-  ``seed``: a hash below ``2**bits``, so that neighbouring seeds or indices share no streams.
 
-Not done here: repetition penalties, logit bias, min-p.
+Not done here: repetition penalties, logit bias, min-p; stream seeds (``ops.seeds``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +89,3 @@ class RowRandom:
         rows = [torch.rand(n, generator=g, dtype=torch.float64) for g in self.generators]
         return torch.stack(rows).to(device)  # [rows, n]
 
-
-def derived_seed(seed: int, index: int | str, bits: int = 40) -> int:
-    """The seed of stream ``index`` of ``seed``, in ``[0, 2**bits)`` (hash-mixed, not ``seed + index``)."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (1 << bits)

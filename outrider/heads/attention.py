@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from outrider.decode.slot_attention import slot_attention
+from outrider.ops.slot_attention import slot_attention
 
 SLOT_QUERIES = 64  # up to this many queries over a cache attend by slot_attention (a draft step)
 

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from outrider.decode.slot_attention import supports, using_slot_attention
 from outrider.models import arch_info
+from outrider.ops.slot_attention import supports, using_slot_attention
 
 
 @contextlib.contextmanager

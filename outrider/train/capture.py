@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
-from outrider.decode.graphs import capture_graph, graphable
+from outrider.ops.graphs import capture_graph, graphable
 from outrider.models import AuxCapture, input_device, is_dispatched, resident_weight
 
 

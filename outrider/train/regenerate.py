@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from outrider.decode.sampling import derived_seed
+from outrider.ops.seeds import derived_seed
 from outrider.models import input_device, load_model
 from outrider.progress import Bar
 from outrider.train.conversations import Conversation, Dropped

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from outrider.decode.graphs import CompileOptions
+from outrider.ops.graphs import CompileOptions
 from outrider.decode.sampling import SamplingParams
 
 

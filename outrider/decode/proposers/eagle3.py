@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.decode.graphs import capture_graph, compiled
+from outrider.ops.graphs import capture_graph, compiled
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
