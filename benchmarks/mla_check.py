@@ -36,8 +36,8 @@ from outrider.config import TrainConfig
 from outrider.decode.proposers.eagle3 import HeadCache
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
-from outrider.heads.checkpoint import load_head
-from outrider.heads.engines import kv_bytes_per_token
+from outrider.interop.checkpoint import load_head
+from outrider.interop.engines import kv_bytes_per_token
 from outrider.models import load_model, resolve
 from outrider.train.prepare import build_dataset
 from outrider.train.trainer import train

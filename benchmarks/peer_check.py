@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from outrider.heads.checkpoint import load_head
-from outrider.heads.formats import export
+from outrider.interop.checkpoint import load_head
+from outrider.interop.formats.export import export
 from outrider.models import AuxCapture, load_model, resolve
 
 

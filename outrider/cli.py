@@ -62,7 +62,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from outrider.fsutil import write_json_output
-    from outrider.heads import inspect as compat
+    from outrider.interop import inspect as compat
     from outrider.outputs import check_file
 
     check_file(a.json, "inspect")
@@ -197,7 +197,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from outrider.heads.formats import export
+    from outrider.interop.formats.export import export
     from outrider.outputs import claim_dir
 
     with claim_dir(a.out, "export", inputs=[a.draft, a.target]) as claim:

@@ -25,7 +25,7 @@ from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.sampling import SamplingParams
 from outrider.fsutil import atomic_write_json, atomic_write_text
-from outrider.heads.formats import export
+from outrider.interop.formats.export import export
 from outrider.models import load_model
 from outrider.ops.seeds import derived_seed
 from outrider.plan.acceptance import Acceptance

@@ -10,14 +10,14 @@ from safetensors.torch import load_file, save_file
 from tiny import make_tiny, save_tiny
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import (
+from outrider.interop.checkpoint import (
     FORMATS,
     head_spec_from_config,
     load_head,
     read_head_spec,
 )
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.heads.formats import export, save_head, written_aux_ids
+from outrider.interop.formats.export import export, save_head, written_aux_ids
 from outrider.models import load_config_dict
 
 LAYERS = 8  # default aux ids (2, 4, 5): distinct and ascending, like a real model's
@@ -177,7 +177,7 @@ def test_a_failed_check_leaves_the_old_export_in_place(head, target_dir, tmp_pat
     out = tmp_path / "out"
     export(head, "vllm", out, dtype="float32")
     before = (out / "model.safetensors").read_bytes()
-    import outrider.heads.formats as ex
+    import outrider.interop.formats.export as ex
 
     monkeypatch.setattr(ex, "_random_check", lambda a, b: float("nan"))
     with pytest.raises(UserError, match="does not reproduce"):

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from tiny import make_tiny, save_tiny
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import head_spec_from_config, load_head
+from outrider.interop.checkpoint import head_spec_from_config, load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.heads.formats import export, save_head
+from outrider.interop.formats.export import export, save_head
 from outrider.models import load_config_dict
 from outrider.train.ttt import StepKV, ttt_block_mask, ttt_step_mask
 

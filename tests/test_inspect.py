@@ -14,8 +14,8 @@ from tiny import save_tiny
 
 from outrider.errors import UserError
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.heads.formats import export
-from outrider.heads.inspect import FAIL, PASS, WARN, inspect, render, to_json
+from outrider.interop.formats.export import export
+from outrider.interop.inspect import FAIL, PASS, WARN, inspect, render, to_json
 from outrider.models import load_config_dict, tokenizer_fingerprint
 
 

@@ -18,7 +18,7 @@ from tiny import make_tiny, save_tiny, tiny_tokenizer
 
 from outrider.errors import UserError
 from outrider.train.datasets import load_dataset, read_manifest
-from outrider.train.openai_client import ChatClient, ServerRejected
+from outrider.interop.openai_client import ChatClient, ServerRejected
 from outrider.train.prepare import build_dataset
 from outrider.train.regenerate import cache_path_for, hf_generate_fn
 

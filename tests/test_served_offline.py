@@ -26,9 +26,9 @@ from test_served import FakeEngine, vllm_text
 from tiny import VOCAB, make_tiny, tiny_tokenizer
 
 from outrider.cli import main
-from outrider.heads import inspect as compat
+from outrider.interop import inspect as compat
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.heads.formats import save_head
+from outrider.interop.formats.export import save_head
 from outrider.served import offline
 from outrider.served.metrics import acceptance, parse_exposition
 

@@ -16,7 +16,7 @@ from tiny import make_tiny, save_tiny, tiny_tokenizer
 from outrider.cli import main as cli_main
 from outrider.config import PRESETS, TrainConfig
 from outrider.errors import UserError
-from outrider.heads.checkpoint import load_head
+from outrider.interop.checkpoint import load_head
 from outrider.train.datasets import load_dataset
 from outrider.train.metrics import tau_at
 from outrider.train.prepare import build_dataset

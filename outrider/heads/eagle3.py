@@ -27,7 +27,7 @@ Contract (DESIGN.md, "EAGLE-3 head and export contract"):
   float32 whatever dtype the head is cast to.
 
 Not done here: drafting loops and trees (``outrider.decode.proposers``), training
-(``outrider.train``), checkpoint formats (``outrider.heads.formats``), dynamic-NTK or longrope
+(``outrider.train``), checkpoint formats (``outrider.interop.formats``), dynamic-NTK or longrope
 switching at run time (the frequencies are computed once from the scaling dict).
 """
 

@@ -14,7 +14,7 @@ Contract (the draft SGLang's ``kimi_k25_eagle3.py`` and vLLM's ``deepseek_eagle3
   ``v [B, heads, n, v_head_dim]``): the GQA head's cache protocol (``cache.update(k, v, 0)``),
   the same TTT, slot attention and flex attention code, exact in training and drafting alike.
   The engines cache the latent instead (``kv_lora_rank + qk_rope_head_dim`` values per token,
-  ``outrider.heads.engines.kv_bytes_per_token``) and attend in the absorbed form, algebraically
+  ``outrider.interop.engines.kv_bytes_per_token``) and attend in the absorbed form, algebraically
   the same.
 - ``mla_shapes(info)``: the head's MLA sizes for a target: the target's own for an MLA target
   (DeepSeek-V3, Kimi), otherwise derived from its head width.

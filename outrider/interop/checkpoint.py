@@ -11,7 +11,7 @@ returns the ``outrider`` section of the config (target record, aux-id semantics)
 
 Aux ids of a foreign config (``HeadSpec.intended_aux_ids``): the ids outrider recorded; else the
 top-level ids (vLLM's and speculators' reading, verbatim); else the ``eagle_config`` ids as SGLang
-reads them for the target (``outrider.heads.engines``; without a target only a first id of 1 is
+reads them for the target (``outrider.interop.engines``; without a target only a first id of 1 is
 unambiguous); else the engines' default ``(2, L//2, L-3)``.
 
 Not done here: writing (``formats``), compatibility reports (``inspect``)."""
@@ -29,7 +29,7 @@ import torch
 from outrider.errors import UserError
 from outrider.fsutil import read_text
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
-from outrider.heads.engines import (
+from outrider.interop.engines import (
     DRAFT_ARCH,
     MLA_DRAFT_ARCHS,
     SPECULATORS_ARCH,

@@ -1,15 +1,15 @@
 """``inspect``'s checks of an EAGLE-3 draft against a target: what each engine will do with it.
 
-Contract: each function takes a ``HeadSpec`` (the draft's config, ``outrider.heads.checkpoint``)
+Contract: each function takes a ``HeadSpec`` (the draft's config, ``outrider.interop.checkpoint``)
 and the target's ``ArchInfo`` and returns ``Check`` rows (``pass``/``warn``/``fail``, one-line
 reason, the engine it concerns or None for both): the aux layers each engine will capture
 (``aux_checks``), the draft architectures they load (``architecture_checks``), the attention
 (``attention_checks``: MLA sizes against the target's, KV cache bytes per token next to the
 other kind's), EAGLE 3.1 options and sliding windows (``option_checks``) and the weights'
 names and shapes against the config (``weights_checks``). Engine facts come from
-``outrider.heads.engines``.
+``outrider.interop.engines``.
 
-Not done here: target-only checks, tokenizers, the verdict (``outrider.heads.inspect``); loading
+Not done here: target-only checks, tokenizers, the verdict (``outrider.interop.inspect``); loading
 weights beyond ``d2t``/``t2d`` and a scan for NaN/Inf (shapes come from the safetensors headers).
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import HeadSpec, expected_shapes, weight_source
+from outrider.interop.checkpoint import HeadSpec, expected_shapes, weight_source
 from outrider.heads.eagle3 import Eagle3Config
-from outrider.heads.engines import (
+from outrider.interop.engines import (
     DRAFT_ARCH,
     MLA_DRAFT_ARCH,
     MLA_DRAFT_ARCHS,

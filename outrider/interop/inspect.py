@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.heads.checkpoint import HeadSpec, read_head_spec
-from outrider.heads.draft_checks import (
+from outrider.interop.checkpoint import HeadSpec, read_head_spec
+from outrider.interop.draft_checks import (
     FAIL,
     PASS,
     WARN,

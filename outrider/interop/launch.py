@@ -3,7 +3,7 @@
 Contract: ``launch_text(...)`` returns the Markdown an export writes next to its weights: for each
 engine that can serve the head as written, the launch command (with the server flags the head
 needs: SGLang's draft window) and how it reads the aux ids and options; for an engine that
-cannot, one line saying why (``outrider.heads.engines`` holds the facts).
+cannot, one line saying why (``outrider.interop.engines`` holds the facts).
 
 Not done here: choosing or writing the ids (``formats``), checking a folder (``inspect``).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config
-from outrider.heads.engines import (
+from outrider.interop.engines import (
     MLA_SERVED_BY,
     SGLANG_RULE_NOTE,
     kv_bytes_per_token,

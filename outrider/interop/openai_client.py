@@ -27,7 +27,7 @@ import urllib.request
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.openai_api import base_url, served_model, short
+from outrider.interop.openai_api import base_url, served_model, short
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.openai_api import base_url, served_model, short
+from outrider.interop.openai_api import base_url, served_model, short
 
 
 @dataclass

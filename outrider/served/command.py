@@ -27,7 +27,7 @@ def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | Non
     local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype)
     checks = []
     if draft is not None:
-        from outrider.heads import inspect as compat
+        from outrider.interop import inspect as compat
 
         checks = compat.inspect(target, draft).checks
     for r in records:

@@ -44,9 +44,9 @@ from torch import nn
 
 from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
-from outrider.heads.checkpoint import load_head
+from outrider.interop.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.heads.formats import save_head
+from outrider.interop.formats.export import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals

@@ -34,7 +34,7 @@ from outrider.ops.graphs import capture_graph, compiled
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
-from outrider.heads.checkpoint import load_head
+from outrider.interop.checkpoint import load_head
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
 # for the draft step's scores

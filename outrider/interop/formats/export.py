@@ -14,11 +14,11 @@ Contract:
   ``norm_before_fc``, ``norm_before_residual``; tensors ``fc_norm.{i}.weight``,
   ``input_norm.weight``), a sliding window as ``sliding_window`` + ``layer_types``.
 - ``load_head(path, target_config=None)`` reads heads written by outrider, SpecForge, SGLang,
-  SafeAILab EAGLE-3, speculators and the published MLA drafts (``outrider.heads.checkpoint``).
+  SafeAILab EAGLE-3, speculators and the published MLA drafts (``outrider.interop.checkpoint``).
 - Our own checkpoint layout (``save_head``; the trainer's output) is the ``vllm`` format plus the
   ``outrider`` section, in float32.
 
-Aux layer ids (``outrider.heads.engines``). outrider's id ``j`` is the hidden state entering
+Aux layer ids (``outrider.interop.engines``). outrider's id ``j`` is the hidden state entering
 target decoder layer ``j``. Each engine reads its own key: vLLM the top-level
 ``eagle_aux_hidden_state_layer_ids`` (verbatim), SGLang ``eagle_config``'s (plus 1, by the
 target's rule). Every format writes the top-level ids as they are and, in ``eagle_config``,
@@ -51,7 +51,7 @@ import torch
 from outrider import __version__
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
-from outrider.heads.checkpoint import (
+from outrider.interop.checkpoint import (
     _DTYPES,
     FORMATS,
     _record,
@@ -63,7 +63,7 @@ from outrider.heads.checkpoint import (
     to_format_state_dict,
 )
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
-from outrider.heads.engines import (
+from outrider.interop.engines import (
     DRAFT_ARCH,
     MLA_DRAFT_ARCH,
     SPECULATORS_ARCH,
@@ -71,7 +71,7 @@ from outrider.heads.engines import (
     serves_last_layer,
     sglang_writes,
 )
-from outrider.heads.launch import launch_text
+from outrider.interop.launch import launch_text
 from outrider.models import (
     arch_info,
     load_config_dict,
