@@ -1,4 +1,4 @@
-"""Atomic file and directory writes.
+"""Atomic file and directory writes, and the one reader of text, JSON and safetensors index files.
 
 Contract: a write either leaves the complete new content under the final name or leaves the
 old content (if any) untouched; readers never see a half-written file. Files are written to a
@@ -14,6 +14,9 @@ creating the temporary, writing it or renaming it (a pseudo file system, a missi
 the OS refuses, a full disk) is raised as ``OutputError``, one line naming the output as the user
 named it (``os_error_line``). What they write honours the user's umask, including files that
 libraries create 0600 (safetensors' ``save_file``).
+
+Readers: ``read_text`` (UTF-8 or one line), ``read_json`` / ``read_json_object`` (one line naming the
+file), ``safetensors_index`` (a checkpoint's tensor-to-shard map).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 from outrider.errors import UserError
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.(tmp|old)$")  # what mkstemp/mkdtemp below produce
 
 USER_ERRNOS = {
@@ -169,9 +173,15 @@ def read_text(path: str | os.PathLike, what: str = "") -> str:
         raise not_utf8(path, data, e, what) from None
 
 
-def read_json(path: str | os.PathLike, what: str = "JSON") -> Any:
-    """The JSON in ``path``, or a one-line ``UserError`` naming ``what`` the file should have been."""
+def read_json(path: str | os.PathLike, what: str | None = None) -> Any:
+    """The JSON in ``path``, or one ``UserError`` line: naming ``what`` the file should have been, or
+    (``what`` None) ``cannot read PATH: reason``."""
     p = Path(path).expanduser()
+    if what is None:
+        try:
+            return json.loads(read_text(p))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {p}: {e}") from None
     if not p.is_file():
         raise UserError(f"{what} file not found: {p}")
     try:
@@ -180,6 +190,26 @@ def read_json(path: str | os.PathLike, what: str = "JSON") -> Any:
         raise UserError(f"cannot read {what} file {p}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{what} file {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """``read_json`` of a file that must hold a JSON object."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return data
+
+
+def safetensors_index(folder: str | os.PathLike) -> dict[str, str] | None:
+    """Tensor name -> shard file name, from ``folder``'s ``model.safetensors.index.json`` (None: no index)."""
+    index = Path(folder) / SAFETENSORS_INDEX
+    if not index.exists():
+        return None
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"cannot read {index}: no 'weight_map' object of tensor names to files")
+    return weight_map
 
 
 def write_json_output(path: str | os.PathLike, obj: Any) -> Path | None:

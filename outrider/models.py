@@ -36,7 +36,7 @@ import torch
 
 from outrider import assets
 from outrider.errors import UserError
-from outrider.fsutil import read_text
+from outrider.fsutil import read_json, read_json_object, read_text
 
 DEFAULT_ALIAS = "default"
 
@@ -187,10 +187,7 @@ def load_config_dict(spec: str | Path) -> dict[str, Any]:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
-    try:
-        cfg = json.loads(read_text(path / "config.json"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
+    cfg = read_json(path / "config.json")
     if not isinstance(cfg, dict):
         raise UserError(f"{path / 'config.json'} is not a model config (a JSON object), it is a {type(cfg).__name__}")
     return cfg
@@ -468,16 +465,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(read_text(path))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object")
-    return data
 
 
 def tokenizer_fingerprint(folder: str | Path) -> dict[str, Any]:

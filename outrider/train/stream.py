@@ -47,7 +47,8 @@ from typing import Any, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.models import cache_parameter, check_aux_ids, parse_dtype, read_json_object, resolve
+from outrider.fsutil import read_json_object
+from outrider.models import cache_parameter, check_aux_ids, parse_dtype, resolve
 from outrider.train.datasets import consecutive_groups
 from outrider.train.int4 import Int4Scheme
 from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming

@@ -22,13 +22,13 @@ Not done here: the decoder layers (``outrider.train.capture`` runs a loaded targ
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from outrider.errors import UserError
+from outrider.fsutil import safetensors_index
 from outrider.models import load_config_dict, resolve
 
 FINGERPRINT_ROWS = 64
@@ -51,12 +51,8 @@ class TargetWeights:
         """Tensor name -> file."""
         from safetensors import SafetensorError, safe_open
 
-        index = self.path / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise UserError(f"cannot read {index}: {e}") from None
+        weight_map = safetensors_index(self.path)
+        if weight_map is not None:
             return {name: self.path / file for name, file in weight_map.items()}
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

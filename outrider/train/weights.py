@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 import torch
 
 from outrider.errors import UserError
+from outrider.fsutil import SAFETENSORS_INDEX, safetensors_index
 from outrider.train.int4 import (
     PACKED,
     SCALE,
@@ -54,7 +55,6 @@ from outrider.train.int4 import (
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-INDEX = "model.safetensors.index.json"
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 DECODER_PREFIXES = ("model.", "language_model.model.", "model.language_model.", "")
 
@@ -77,13 +77,8 @@ class SafetensorsFiles:
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
-        index = folder / INDEX
-        listed: dict[str, str] = {}
-        if index.exists():
-            try:
-                listed = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise UserError(f"cannot read {index}: {e}") from None
+        listed = safetensors_index(folder)
+        if listed is not None:
             names = sorted(set(listed.values()))
         else:
             names = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -95,10 +90,10 @@ class SafetensorsFiles:
         for i, path in enumerate(self.paths):
             for name, entry in _read_header(path, i).items():
                 self.entries.setdefault(name, entry)
-        for name, shard in listed.items():
+        for name, shard in (listed or {}).items():
             entry = self.entries.get(name)
             if entry is None or self.paths[entry.file].name != shard:
-                raise UserError(f"{index.name} lists '{name}' in {shard}, which does not hold it: the checkpoint "
+                raise UserError(f"{SAFETENSORS_INDEX} lists '{name}' in {shard}, which does not hold it: the checkpoint "
                                 "is incomplete or mixes two downloads")
         self._maps: dict[int, mmap.mmap] = {}
 
