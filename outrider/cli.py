@@ -39,6 +39,7 @@ from outrider.cliargs import (
 )
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
+from outrider.interop.formats import FORMATS
 from outrider.signals import Interrupted, Signals
 from outrider.train.resume import NAMES as RESUME_NAMES
 
@@ -445,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("export", help="servable checkpoint + launch commands")
     sp.add_argument("draft")
-    sp.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
+    sp.add_argument("--format", required=True, choices=list(FORMATS))
     sp.add_argument("--out", required=True, help="the export folder: new, empty, or an earlier export (replaced)")
     sp.add_argument("--target", default=None, help="the target the head serves (recorded; checked)")
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

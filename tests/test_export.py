@@ -10,13 +10,9 @@ from safetensors.torch import load_file, save_file
 from tiny import make_tiny, save_tiny
 
 from outrider.errors import UserError
-from outrider.interop.checkpoint import (
-    FORMATS,
-    head_spec_from_config,
-    load_head,
-    read_head_spec,
-)
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.interop.checkpoint import head_spec_from_config, load_head, read_head_spec
+from outrider.interop.formats import FORMATS
 from outrider.interop.formats.export import export, save_head, written_aux_ids
 from outrider.models import load_config_dict
 

@@ -18,7 +18,6 @@ Not done here: writing (``formats``), compatibility reports (``inspect``)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 from outrider.errors import UserError
-from outrider.fsutil import read_text
+from outrider.fsutil import read_json, safetensors_index
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
 from outrider.interop.engines import (
     DRAFT_ARCH,
@@ -37,21 +36,15 @@ from outrider.interop.engines import (
     sglang_captures,
     vllm_captures,
 )
+from outrider.interop.formats import format_of, get_format
+from outrider.interop.formats.base import LAYERS0, OUR_LAYER, rename
 from outrider.models import arch_info, load_config_dict
 from outrider.values import check_draft_map, check_finite
 
-FORMATS = ("sglang", "vllm", "speculators")
-EAGLE3_ARCHS = (DRAFT_ARCH, "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle") + MLA_DRAFT_ARCHS
-
-_GQA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLA_ATTN = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-_OUR_LAYER = "midlayer."
-_LAYERS0 = "layers.0."
 _LEGACY = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}  # SGLang
 # Present in peers' checkpoints but not part of a head: the target's embedding (frozen, shared)
 # and speculators' training-only copies of the verifier's head.
 _DROPPED_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _OPTION_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
@@ -192,7 +185,7 @@ def _quant_name(cfg: dict[str, Any]) -> str:
     return ""
 
 
-def _aux_known(ours: dict[str, Any] | None, speculators: bool, top: tuple[int, ...] | None,
+def _aux_known(ours: dict[str, Any] | None, source: str, top: tuple[int, ...] | None,
                eagle: tuple[int, ...] | None) -> tuple[tuple[int, ...] | None, str, str]:
     """(ids known from the config alone, how they were read, source)."""
     recorded = None
@@ -204,7 +197,6 @@ def _aux_known(ours: dict[str, Any] | None, speculators: bool, top: tuple[int, .
             raise UserError(f"the head records aux ids as '{semantics}', outrider expects '{AUX_IDS_SEMANTICS}'")
     if recorded is not None:
         return _ids(recorded), "recorded by outrider", "outrider"
-    source = "speculators" if speculators else "eagle3"
     if top is not None:
         return top, "top-level ids, read verbatim (as vLLM and speculators read them)", source
     if eagle is None:
@@ -221,29 +213,15 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     if not isinstance(cfg, dict):
         raise UserError("the head's config.json is not a JSON object")
     ours = cfg.get("outrider") if isinstance(cfg.get("outrider"), dict) else None
-    speculators = cfg.get("speculators_model_type") is not None
     archs = tuple(cfg.get("architectures") or ())
-    unsupported: list[str] = []
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    if speculators:
-        if cfg.get("speculators_model_type") != "eagle3":
-            raise UserError(f"speculators model type '{cfg.get('speculators_model_type')}' is not an EAGLE-3 head")
-        layer = cfg.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise UserError("speculators config has no 'transformer_layer_config': not an EAGLE-3 speculator")
-        where, layout = "the speculators transformer_layer_config", "layers.0"
-        if layer.get("model_type") not in (None, "llama"):
-            unsupported.append(f"a {layer.get('model_type')} draft layer")
-    else:
-        looks_eagle3 = ours is not None or any(a in EAGLE3_ARCHS for a in archs) or "draft_vocab_size" in cfg \
-            or bool(eagle)
-        if not looks_eagle3:
-            raise UserError(f"config architectures {list(archs)} do not describe an EAGLE-3 head "
-                            f"(expected {DRAFT_ARCH}, {MLA_DRAFT_ARCHS[0]}, {SPECULATORS_ARCH} or a speculators config)")
-        layer, where = cfg, "the head's config.json"
-    mla = not speculators and (any(a in MLA_DRAFT_ARCHS for a in archs) or bool(layer.get("kv_lora_rank")))
-    if not speculators:
-        layout = "layers.0" if mla else "midlayer"
+    fmt = format_of(cfg)
+    if fmt is None:
+        raise UserError(f"config architectures {list(archs)} do not describe an EAGLE-3 head "
+                        f"(expected {DRAFT_ARCH}, {MLA_DRAFT_ARCHS[0]}, {SPECULATORS_ARCH} or a speculators config)")
+    layer, where, unsupported = fmt.read_layer(cfg)
+    mla = fmt.holds_mla and (any(a in MLA_DRAFT_ARCHS for a in archs) or bool(layer.get("kv_lora_rank")))
+    layout = fmt.layer_prefix("mla" if mla else "gqa").rstrip(".")
     if layer.get("attention_bias") or layer.get("mlp_bias") or cfg.get("bias"):
         unsupported.append("linear biases")
     options = {k: bool(cfg.get(k)) for k in _OPTION_FLAGS}
@@ -269,12 +247,9 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         unsupported.append("a sliding window on an MLA draft")
     top = _ids(cfg.get("eagle_aux_hidden_state_layer_ids"))
     written_eagle = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"))
-    aux, note, source = _aux_known(ours, speculators, top, written_eagle)
-    record = _record(ours.get("target")) if ours is not None else {}
-    trained_for = record.get("name") or None
-    if trained_for is None and speculators:
-        verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-        trained_for = verifier.get("name_or_path") or None
+    aux, note, source = _aux_known(ours, fmt.source, top, written_eagle)
+    record = as_target_record(ours.get("target")) if ours is not None else {}
+    trained_for = record.get("name") or fmt.verifier(cfg)
     if trained_for is None:
         trained_for = cfg.get("target_model") or cfg.get("base_model") or _front_matter(readme, "base_model")
     return HeadSpec(
@@ -293,7 +268,7 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     )
 
 
-def _record(target: Any) -> dict[str, Any]:
+def as_target_record(target: Any) -> dict[str, Any]:
     """The ``outrider.target`` record: a dict from export, a plain name from the trainer."""
     if isinstance(target, dict):
         return dict(target)
@@ -327,10 +302,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     config = path / "config.json"
     if not config.exists():
         raise UserError(f"{path} has no config.json: not a draft checkpoint folder")
-    try:
-        return json.loads(read_text(config))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {config}: {e}") from None
+    return read_json(config)
 
 
 def read_head_spec(path: str | Path) -> HeadSpec:
@@ -380,32 +352,18 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _rename(name: str, src: str, dst: str) -> str:
-    return dst + name[len(src):] if name.startswith(src) else name
-
-
-def layer_prefix(cfg: Eagle3Config, fmt: str) -> str:
-    """The decoder layer's name prefix in ``fmt``: ``layers.0.`` for speculators and MLA drafts
-    (the published MLA checkpoints' names; SGLang and vLLM read both), ``midlayer.`` otherwise."""
-    return _LAYERS0 if fmt == "speculators" or cfg.attention == "mla" else _OUR_LAYER
-
-
 def format_names(cfg: Eagle3Config, fmt: str) -> set[str]:
     """The exact tensor names a checkpoint in ``fmt`` holds for this head."""
-    prefix = layer_prefix(cfg, fmt)
-    names = {_rename(n, _OUR_LAYER, prefix) for n in expected_shapes(cfg)}
-    if fmt == "speculators" and cfg.draft_vocab_size == cfg.vocab_size:  # speculators registers no vocab buffers
-        names -= {"d2t", "t2d"}
-    return names
+    return get_format(fmt).tensor_names(cfg, expected_shapes(cfg))
 
 
 def to_format_state_dict(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under ``fmt``'s names; weights cast to ``dtype``, d2t int64, t2d bool."""
     out: dict[str, torch.Tensor] = {}
     keep = format_names(head.config, fmt)
-    prefix = layer_prefix(head.config, fmt)
+    prefix = get_format(fmt).layer_prefix(head.config.attention)
     for name, tensor in head.state_dict().items():
-        name = _rename(name, _OUR_LAYER, prefix)
+        name = rename(name, OUR_LAYER, prefix)
         if name not in keep:
             continue
         t = tensor.detach().to("cpu")
@@ -419,9 +377,9 @@ def _to_our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
     out = {}
     for k, v in state.items():
-        k = _rename(k, _LAYERS0, _OUR_LAYER)
+        k = rename(k, LAYERS0, OUR_LAYER)
         for legacy, new in _LEGACY.items():
-            k = _rename(k, legacy, new)
+            k = rename(k, legacy, new)
         if k not in _DROPPED_ON_IMPORT:
             out[k] = v
     return out
@@ -434,15 +392,11 @@ def _to_our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def weight_source(path: Path) -> list[Path] | dict[str, torch.Tensor] | None:
     """Where a head folder's weights are: its safetensors files (one, or those its index names),
     the state dict of its ``pytorch_model.bin`` (``torch.load(weights_only=True)``), or None."""
-    index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").exists():
         return [path / "model.safetensors"]
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return [path / f for f in sorted(set(weight_map.values()))]
-        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
-            raise UserError(f"cannot read {index}: {e}") from None
+    weight_map = safetensors_index(path)
+    if weight_map is not None:
+        return [path / f for f in sorted(set(weight_map.values()))]
     if (path / "pytorch_model.bin").exists():
         try:
             state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)

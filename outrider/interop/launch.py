@@ -3,9 +3,10 @@
 Contract: ``launch_text(...)`` returns the Markdown an export writes next to its weights: for each
 engine that can serve the head as written, the launch command (with the server flags the head
 needs: SGLang's draft window) and how it reads the aux ids and options; for an engine that
-cannot, one line saying why (``outrider.interop.engines`` holds the facts).
+cannot, one line saying why (``engines`` holds the facts).
 
-Not done here: choosing or writing the ids (``formats``), checking a folder (``inspect``).
+Not done here: choosing or writing the ids (``formats``: each format adds its own lines),
+checking a folder (``inspect``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from outrider.interop.engines import (
     kv_bytes_per_token,
     option_issues,
 )
+from outrider.interop.formats.base import HeadFormat
 from outrider.models import arch_info
 
 
-def launch_text(fmt: str, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
+def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
                 nested_note: str, target: str | None, target_cfg: dict[str, Any] | None,
                 model_type: str | None, k: int = 3) -> str:
     """LAUNCH.md: the engine command lines for this head and what to watch out for."""
@@ -35,7 +37,7 @@ def launch_text(fmt: str, out: Path, cfg: Eagle3Config, top: Sequence[int], nest
     spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
     mla = cfg.attention == "mla"
     written = f"top-level {list(top)} (vLLM)" + ("" if nested is None else f", eagle_config {list(nested)} (SGLang)")
-    lines = [f"# Serving this EAGLE-3 head ({fmt} format, {'MLA' if mla else 'GQA'} attention)", "",
+    lines = [f"# Serving this EAGLE-3 head ({fmt.name} format, {'MLA' if mla else 'GQA'} attention)", "",
              f"Aux layer ids (outrider meaning: {AUX_IDS_SEMANTICS}): {list(cfg.aux_layer_ids)}; "
              f"written in config.json as {written}.", ""]
     kv = kv_bytes_per_token(cfg)
@@ -53,9 +55,7 @@ def launch_text(fmt: str, out: Path, cfg: Eagle3Config, top: Sequence[int], nest
         lines += ["```bash", f"vllm serve {tgt}{trc} \\", f"  --speculative-config '{json.dumps(spec)}'", "```", "",
                   "- vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as written (id j = the state "
                   "entering layer j) and defaults to (2, L//2, L-3) without them.", *(f"- {c}" for c in v_caveats)]
-        if fmt == "speculators":
-            lines += ["- speculators format: vLLM maps `Eagle3Speculator` to its EAGLE-3 Llama draft; "
-                      "`speculators_config.verifier.name_or_path` names the target it was trained for."]
+        lines += list(fmt.vllm_notes)
         if info is not None and info.attention == "MLA" and not mla:
             mla_spec = dict(spec, attention_backend="FLASH_ATTN")
             lines += ["- MLA target, GQA draft: if the draft fails to start on an MLA-only attention backend, give "
@@ -64,8 +64,8 @@ def launch_text(fmt: str, out: Path, cfg: Eagle3Config, top: Sequence[int], nest
         lines.append("")
     lines += ["## SGLang", ""]
     s_block, s_caveats = option_issues(cfg.attention, options, "sglang")
-    if fmt == "speculators":
-        lines += ["SGLang does not load the speculators format: export with `--format sglang`.", ""]
+    if fmt.sglang_refusal:
+        lines += [fmt.sglang_refusal, ""]
     elif nested is None or nested_note.startswith("unshifted") or s_block:
         why = f"it does not read {', '.join(s_block)}" if s_block else nested_note
         lines += [f"SGLang cannot serve this head as written: {why}.", ""]

@@ -50,11 +50,9 @@ import torch
 
 from outrider import __version__
 from outrider.errors import UserError
-from outrider.fsutil import atomic_dir
+from outrider.fsutil import atomic_dir, safetensors_index
 from outrider.interop.checkpoint import (
-    _DTYPES,
-    FORMATS,
-    _record,
+    as_target_record,
     check_against_target,
     format_names,
     load_head,
@@ -63,14 +61,9 @@ from outrider.interop.checkpoint import (
     to_format_state_dict,
 )
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
-from outrider.interop.engines import (
-    DRAFT_ARCH,
-    MLA_DRAFT_ARCH,
-    SPECULATORS_ARCH,
-    option_issues,
-    serves_last_layer,
-    sglang_writes,
-)
+from outrider.interop.engines import option_issues, serves_last_layer
+from outrider.interop.formats import get_format
+from outrider.interop.formats.base import AuxIds
 from outrider.interop.launch import launch_text
 from outrider.models import (
     arch_info,
@@ -80,6 +73,8 @@ from outrider.models import (
     tokenizer_fingerprint,
 )
 from outrider.outputs import OWN_FILES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -117,126 +112,9 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def written_aux_ids(ids: Sequence[int], fmt: str, model_type: str | None = None
-                    ) -> tuple[tuple[int, ...], tuple[int, ...] | None, str]:
+def written_aux_ids(ids: Sequence[int], fmt: str, model_type: str | None = None) -> AuxIds:
     """(top-level ids for vLLM, ``eagle_config`` ids for SGLang or None, how SGLang reads them)."""
-    ids = tuple(int(j) for j in ids)
-    if fmt == "speculators":
-        return ids, None, "speculators format: top-level ids only (vLLM's reading)"
-    try:
-        nested, note = sglang_writes(ids, model_type)
-    except UserError as e:
-        if fmt == "sglang":
-            raise
-        return ids, ids, f"unshifted; SGLang's reading of them needs the target ({e})"
-    if nested is None:
-        if fmt == "sglang":
-            raise UserError(f"{note}: export with --format vllm (vLLM reads the ids as they are)")
-        return ids, ids, f"unshifted: {note}"
-    return ids, nested, note
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _rope_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-    if scaling is None and cfg.attention == "mla":
-        # vLLM's MLA draft takes rope_theta from the scaling dict only (10000 without one): plain RoPE
-        # as YaRN of factor 1, which both engines compute as plain RoPE with this theta
-        scaling = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": cfg.max_position_embeddings,
-                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                   "rope_theta": cfg.rope_theta}
-    if scaling is not None:
-        scaling.setdefault("type", scaling["rope_type"])  # the pre-transformers-4.45 key some readers still use
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
-
-
-def _option_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    """EAGLE 3.1 keys, written when set (``norm_before_residual`` always: see the module docstring)."""
-    out: dict[str, Any] = {"norm_before_residual": cfg.norm_before_residual}
-    out.update({k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, k)})
-    return out
-
-
-def _window_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    if not cfg.sliding_window:
-        return {}
-    return {"sliding_window": cfg.sliding_window, "layer_types": ["sliding_attention"], "use_sliding_window": True}
-
-
-def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    return {
-        "model_type": "llama", "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
-        **_rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings, "num_hidden_layers": 1,
-        "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "pretraining_tp": 1, **_window_fields(cfg),
-    }
-
-
-def _mla_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    return {
-        "model_type": "deepseek_v3", "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
-        "head_dim": cfg.qk_rope_head_dim,  # transformers' DeepseekV3 rotary width (not the query width)
-        "rope_interleave": True, "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps, **_rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
-    }
-
-
-def config_dict(cfg: Eagle3Config, fmt: str, dtype: torch.dtype, outrider: dict[str, Any],
-                num_speculative_tokens: int = 3, model_type: str | None = None,
-                verifier: str | None = None) -> dict[str, Any]:
-    """config.json for ``fmt`` (the ``outrider`` section is passed in and stored as is)."""
-    if fmt not in FORMATS:
-        raise UserError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}")
-    top, nested, _ = written_aux_ids(cfg.aux_layer_ids, fmt, model_type)
-    if fmt == "speculators":
-        if cfg.attention == "mla":
-            raise UserError("the speculators format holds Llama (GQA) drafts only: export an MLA head with "
-                            "--format vllm or --format sglang")
-        layer = _llama_fields(cfg)
-        layer["rope_parameters"] = cfg.rope_parameters()
-        target = outrider.get("target") or {}
-        return {
-            "architectures": [SPECULATORS_ARCH],
-            "speculators_model_type": "eagle3",
-            "speculators_version": "0.9.0",
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier, "architectures": list(target.get("architectures") or [])},
-            },
-            "transformer_layer_config": layer,
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(top),
-            "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-            "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
-            "embed_requires_grad": False,
-            "torch_dtype": _dtype_name(dtype),
-            "outrider": outrider,
-        }
-    mla = cfg.attention == "mla"
-    return {
-        "architectures": [MLA_DRAFT_ARCH if mla else DRAFT_ARCH],
-        **(_mla_fields(cfg) if mla else _llama_fields(cfg)),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        **_option_fields(cfg),
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(nested)},
-        "eagle_aux_hidden_state_layer_ids": list(top),
-        "torch_dtype": _dtype_name(dtype),
-        "outrider": outrider,
-    }
+    return get_format(fmt).written_ids(tuple(int(j) for j in ids), model_type)
 
 
 def _target_record(target: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -301,13 +179,11 @@ def _target_embedding(target: str, cfg: Eagle3Config) -> torch.Tensor:
     path = resolve(target)
     if not path.is_dir():
         raise UserError("embeddings can be copied only from a Hugging Face folder target, not a GGUF file")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").exists():
+    weight_map = safetensors_index(path)
+    if weight_map is None and (path / "model.safetensors").exists():
         with safe_open(path / "model.safetensors", framework="pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
+    if weight_map is None:
         raise UserError(f"{path} has no safetensors weights: cannot copy the target's embedding into the export")
     keys = sorted(k for k in weight_map if k.endswith("embed_tokens.weight") and "mtp" not in k)
     if not keys:
@@ -381,7 +257,7 @@ def _resolve_head(head_or_dir: Eagle3Head | str | Path, target_cfg: dict[str, An
     spec = read_head_spec(path)
     head, _ = load_head(path, target_cfg)
     meta = dict(read_config(path).get("outrider") or {})
-    meta["target"] = _record(meta.get("target")) or _record(spec.trained_for)
+    meta["target"] = as_target_record(meta.get("target")) or as_target_record(spec.trained_for)
     return head, meta
 
 
@@ -401,11 +277,10 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     ``embed_tokens.weight`` (SpecForge expects it; the engines share the target's); the
     ``speculators`` format always carries it.
     """
-    if format not in FORMATS:
-        raise UserError(f"unknown export format '{format}': use one of {', '.join(FORMATS)}")
-    if dtype not in _DTYPES:
-        raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(_DTYPES)}")
-    torch_dtype = _DTYPES[dtype]
+    fmt = get_format(format)
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
     record, target_cfg = _target_record(target)
     original, meta = _resolve_head(head_or_dir, target_cfg)
     head = ascending_aux_order(original)
@@ -419,19 +294,17 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     num_layers = arch_info(target_cfg).num_layers if target_cfg is not None else record.get("num_layers")
     embedding_from = target
     verifier = None
-    if format == "speculators":
+    if fmt.carries_target:
         verifier = _verifier(target, record)
         embedding_from = target or _local_target(record)
         if embedding_from is None:
-            raise UserError("the speculators format carries the target's embedding (speculators would run with "
+            raise UserError(f"the {format} format carries the target's embedding (speculators would run with "
                             "zeros without it): pass --target")
         include_embeddings = True
     elif include_embeddings and target is None:
         raise UserError("--include-embeddings needs the target (its embedding is copied into the checkpoint)")
     top, nested, nested_note = written_aux_ids(cfg.aux_layer_ids, format, model_type)
-    if format == "sglang" and num_layers and max(cfg.aux_layer_ids) >= num_layers:
-        raise UserError(f"aux id {max(cfg.aux_layer_ids)} is the target's last layer output, which SGLang never "
-                        "captures (it captures before each layer): export with --format vllm")
+    fmt.check_ids(cfg.aux_layer_ids, num_layers)
     section = {k: v for k, v in meta.items() if k not in ("format", "version", "target")}
     section.update(extra or {})
     section.update({
@@ -442,7 +315,7 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     })
     if nested is not None:
         section.update({"written_eagle_aux_layer_ids": list(nested), "written_eagle_aux_layer_ids_read_as": nested_note})
-    config = config_dict(cfg, format, torch_dtype, section, num_speculative_tokens, model_type, verifier)
+    config = fmt.config(cfg, torch_dtype, section, num_speculative_tokens, model_type, verifier)
     tensors = to_format_state_dict(head, format, torch_dtype)
     expected = format_names(cfg, format)
     if set(tensors) != expected:
@@ -463,7 +336,7 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
         notes.append(f"eagle_config ids written as {list(nested)} for SGLang's rule (outrider ids {list(top)})")
     notes += engine_notes(cfg, model_type, num_layers, nested_note)
     out = Path(out).expanduser().resolve()
-    launch = launch_text(format, out, cfg, top, nested, nested_note, target, target_cfg, model_type,
+    launch = launch_text(fmt, out, cfg, top, nested, nested_note, target, target_cfg, model_type,
                          num_speculative_tokens)
     reference = copy.deepcopy(original).to(device="cpu", dtype=torch_dtype).eval()
     from safetensors.torch import save_file
