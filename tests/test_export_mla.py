@@ -123,7 +123,7 @@ def test_published_kimi_mla_config_is_read_as_each_engine_reads_it():
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
            "eagle_aux_hidden_state_layer_ids": [2, 30, 58], "tie_word_embeddings": False}
     spec = head_spec_from_config(cfg)
-    assert spec.attention == "mla" and spec.head_dim == 192 and spec.layout == "layers.0"
+    assert spec.config.attention == "mla" and spec.config.head_dim == 192 and spec.layout == "layers.0"
     assert spec.vllm_reads(61) == spec.sglang_reads(61, "kimi_k2") == spec.aux_layer_ids == (2, 30, 58)
     head_cfg = spec.eagle3_config(61, "kimi_k2")
     assert head_cfg.rope_scaling["factor"] == 64.0 and head_cfg.kv_lora_rank == 512

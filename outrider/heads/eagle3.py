@@ -177,6 +177,15 @@ class Eagle3Config:
             **{k: v for k, v in options.items() if k in OPTIONS},
         )
 
+    @classmethod
+    def unchecked(cls, **values: Any) -> "Eagle3Config":
+        """The sizes as a checkpoint's config states them, not validated (a head that outrider cannot
+        build can still be described); ``dataclasses.replace`` of it validates."""
+        cfg = object.__new__(cls)
+        for f in fields(cls):
+            setattr(cfg, f.name, values[f.name] if f.name in values else None if _required(f) else f.default)
+        return cfg
+
     @property
     def value_dim(self) -> int:
         """Width of one head's value (and of its attention output)."""

@@ -18,8 +18,9 @@ Not done here: writing (``formats``), compatibility reports (``inspect``)."""
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from outrider.errors import UserError
 from outrider.fsutil import read_json, safetensors_index
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
+from outrider.heads.mla import MLA_FIELDS
 from outrider.interop.engines import (
     DRAFT_ARCH,
     MLA_DRAFT_ARCHS,
@@ -56,41 +58,38 @@ _OPTION_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_outp
 class HeadSpec:
     """What a draft's config.json says, in outrider's terms; needs no weights.
 
-    ``written_top`` are the ids vLLM reads, ``written_eagle`` the ids SGLang reads (both as
-    written); ``aux_layer_ids`` the ids in outrider's meaning when the config alone tells them
-    (``None`` otherwise: see ``intended_aux_ids``).
+    ``config`` holds the head's sizes and options as stated (``Eagle3Config.unchecked``: a head
+    outrider cannot run is still described); its ``aux_layer_ids`` are the ids in outrider's
+    meaning when the config alone tells them (``None`` otherwise: see ``intended_aux_ids``).
+    ``written_top`` are the ids vLLM reads, ``written_eagle`` the ids SGLang reads (both as written).
     """
 
     source: str  # "outrider" | "speculators" | "eagle3" (SpecForge, SGLang, SafeAILab, published MLA drafts)
     layout: str  # tensor-name layout: "midlayer" | "layers.0"
     architectures: tuple[str, ...]
-    attention: str  # "gqa" | "mla"
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    hidden_act: str
+    config: Eagle3Config
     num_hidden_layers: int
     written_top: tuple[int, ...] | None
     written_eagle: tuple[int, ...] | None
-    aux_layer_ids: tuple[int, ...] | None
     aux_ids_note: str
     trained_for: str | None
     target_record: dict[str, Any]
     torch_dtype: str
     quantization: str
     unsupported: tuple[str, ...]  # variant features this head uses that outrider cannot run
-    mla: dict[str, int]  # q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (MLA only)
-    options: dict[str, bool]  # norm_before_residual, norm_before_fc, fc_norm, norm_output
-    sliding_window: int  # 0 = full attention
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...] | None:
+        return self.config.aux_layer_ids
+
+    @property
+    def mla(self) -> dict[str, int]:
+        """The MLA sizes (``MLA_FIELDS``) of an MLA head, else empty."""
+        return {k: getattr(self.config, k) for k in MLA_FIELDS} if self.config.attention == "mla" else {}
+
+    @property
+    def options(self) -> dict[str, bool]:
+        return {k: getattr(self.config, k) for k in _OPTION_FLAGS}
 
     def intended_aux_ids(self, num_layers: int | None = None, model_type: str | None = None
                          ) -> tuple[int, ...] | None:
@@ -103,7 +102,7 @@ class HeadSpec:
 
     def eagle3_config(self, target_num_layers: int | None = None, target_model_type: str | None = None
                       ) -> Eagle3Config:
-        """An ``Eagle3Config``; ids the config leaves to the engines need the target."""
+        """The head's ``Eagle3Config``, validated; ids the config leaves to the engines need the target."""
         if self.unsupported:
             raise UserError(f"this EAGLE-3 head uses {', '.join(self.unsupported)}, which outrider does not support")
         ids = self.intended_aux_ids(target_num_layers, target_model_type)
@@ -113,15 +112,7 @@ class HeadSpec:
                                 "for different targets (SGLang's +1 rule): pass the target")
             raise UserError("the head's config names no aux layer ids: pass the target so the engines' "
                             "default (2, L//2, L-3) can be used")
-        return Eagle3Config(
-            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size,
-            draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size,
-            aux_layer_ids=ids, hidden_act=self.hidden_act, attention=self.attention, **self.mla, **self.options,
-            sliding_window=self.sliding_window)
+        return replace(self.config, aux_layer_ids=ids)
 
     def vllm_reads(self, num_layers: int) -> tuple[int, ...]:
         """The layers vLLM captures for this draft (outrider meaning)."""
@@ -132,7 +123,22 @@ class HeadSpec:
         return sglang_captures(self.written_eagle, num_layers, model_type)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The spec as ``inspect --json`` writes it (``draft_info``)."""
+        c = self.config
+        return copy.deepcopy({
+            "source": self.source, "layout": self.layout, "architectures": self.architectures,
+            "attention": c.attention, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.target_hidden_size, "hidden_act": c.hidden_act,
+            "num_hidden_layers": self.num_hidden_layers, "written_top": self.written_top,
+            "written_eagle": self.written_eagle, "aux_layer_ids": c.aux_layer_ids, "aux_ids_note": self.aux_ids_note,
+            "trained_for": self.trained_for, "target_record": self.target_record, "torch_dtype": self.torch_dtype,
+            "quantization": self.quantization, "unsupported": self.unsupported, "mla": self.mla,
+            "options": self.options, "sliding_window": c.sliding_window,
+        })
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
@@ -252,19 +258,20 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
     trained_for = record.get("name") or fmt.verifier(cfg)
     if trained_for is None:
         trained_for = cfg.get("target_model") or cfg.get("base_model") or _front_matter(readme, "base_model")
-    return HeadSpec(
-        source=source, layout=layout, architectures=archs, attention="mla" if mla else "gqa", hidden_size=hidden,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+    config = Eagle3Config.unchecked(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=int(_need(layer, "intermediate_size", where)),
         rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 0), vocab_size=vocab,
         draft_vocab_size=draft_vocab, target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
-        hidden_act=str(layer.get("hidden_act") or "silu"), num_hidden_layers=int(layer.get("num_hidden_layers") or 1),
-        written_top=top, written_eagle=written_eagle, aux_layer_ids=aux, aux_ids_note=note,
-        trained_for=str(trained_for) if trained_for else None, target_record=record,
+        aux_layer_ids=aux, hidden_act=str(layer.get("hidden_act") or "silu"), attention="mla" if mla else "gqa",
+        **sizes, **options, sliding_window=window)
+    return HeadSpec(
+        source=source, layout=layout, architectures=archs, config=config,
+        num_hidden_layers=int(layer.get("num_hidden_layers") or 1), written_top=top, written_eagle=written_eagle,
+        aux_ids_note=note, trained_for=str(trained_for) if trained_for else None, target_record=record,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or ""),
-        quantization=_quant_name(cfg), unsupported=tuple(unsupported), mla=sizes, options=options,
-        sliding_window=window,
+        quantization=_quant_name(cfg), unsupported=tuple(unsupported),
     )
 
 
@@ -461,8 +468,8 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
     spec = read_head_spec(path)
     target = _target_dict(target_config)
     if target is not None:
-        if spec.draft_vocab_size > arch_info(target).vocab_size:
-            raise UserError(f"the head's draft vocabulary ({spec.draft_vocab_size}) is larger than the target's "
+        if spec.config.draft_vocab_size > arch_info(target).vocab_size:
+            raise UserError(f"the head's draft vocabulary ({spec.config.draft_vocab_size}) is larger than the target's "
                             f"vocabulary ({arch_info(target).vocab_size}): this head was trained for another model")
         info = arch_info(target)
         cfg = spec.eagle3_config(info.num_layers, info.model_type)

@@ -100,8 +100,9 @@ def aux_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
 
 
 def architecture_checks(spec: HeadSpec) -> list[Check]:
+    hcfg = spec.config
     archs = spec.architectures or ((SPECULATORS_ARCH,) if spec.source == "speculators" else ())
-    mla = spec.attention == "mla"
+    mla = hcfg.attention == "mla"
     served = f" ({MLA_SERVED_BY})" if mla else ""
     checks = []
     if spec.source == "speculators" or any(a in VLLM_DRAFT_ARCHS for a in archs):
@@ -128,6 +129,7 @@ def _config_of(spec: HeadSpec, info: ArchInfo) -> Eagle3Config | None:
 
 def _other_kind(spec: HeadSpec, info: ArchInfo) -> dict[str, int] | None:
     """KV bytes of a head of the other attention kind for this target (None if one cannot be sized)."""
+    hcfg = spec.config
     target = {"model_type": info.model_type, "hidden_size": info.hidden_size, "num_attention_heads": info.num_heads,
               "num_key_value_heads": info.num_kv_heads, "head_dim": info.head_dim, "num_hidden_layers": info.num_layers,
               "vocab_size": info.vocab_size, "intermediate_size": info.intermediate_size,
@@ -135,8 +137,8 @@ def _other_kind(spec: HeadSpec, info: ArchInfo) -> dict[str, int] | None:
               "q_lora_rank": info.q_lora_rank, "qk_rope_head_dim": info.qk_rope_head_dim,
               "qk_nope_head_dim": info.qk_nope_head_dim, "v_head_dim": info.v_head_dim}
     try:
-        other = Eagle3Config.for_target(target, min(spec.draft_vocab_size, info.vocab_size),
-                                        attention="gqa" if spec.attention == "mla" else "mla")
+        other = Eagle3Config.for_target(target, min(hcfg.draft_vocab_size, info.vocab_size),
+                                        attention="gqa" if hcfg.attention == "mla" else "mla")
     except UserError:
         return None
     return kv_bytes_per_token(other)
@@ -144,9 +146,10 @@ def _other_kind(spec: HeadSpec, info: ArchInfo) -> dict[str, int] | None:
 
 def attention_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
     """The draft's attention against the target's: MLA sizes, KV cache bytes per token."""
+    hcfg = spec.config
     checks = []
     cfg = _config_of(spec, info)
-    if spec.attention == "mla":
+    if hcfg.attention == "mla":
         m = spec.mla
         latent = m["kv_lora_rank"] + m["qk_rope_head_dim"]
         if not m["q_lora_rank"]:
@@ -161,14 +164,14 @@ def attention_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
                                                                                for k in latent_off)
                                     + ": the engines run the draft on the target's MLA attention backend, whose "
                                     f"kernels take the target's {info.kv_lora_rank} + {info.qk_rope_head_dim} layout"))
-            elif spec.num_attention_heads != info.num_heads or other_off:
+            elif hcfg.num_attention_heads != info.num_heads or other_off:
                 diff = [f"{k} {m[k]} vs {want[k]}" for k in other_off]
-                if spec.num_attention_heads != info.num_heads:
-                    diff.append(f"{spec.num_attention_heads} heads vs {info.num_heads}")
+                if hcfg.num_attention_heads != info.num_heads:
+                    diff.append(f"{hcfg.num_attention_heads} heads vs {info.num_heads}")
                 checks.append(Check("MLA shapes", WARN, f"latent {m['kv_lora_rank']} + {m['qk_rope_head_dim']} as the "
                                     f"target's, but {', '.join(diff)}: tensor-parallel splits follow the draft's heads"))
             else:
-                checks.append(Check("MLA shapes", PASS, f"{spec.num_attention_heads} heads, q_lora {m['q_lora_rank']}, "
+                checks.append(Check("MLA shapes", PASS, f"{hcfg.num_attention_heads} heads, q_lora {m['q_lora_rank']}, "
                                     f"latent {m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, nope "
                                     f"{m['qk_nope_head_dim']}, v {m['v_head_dim']}: the target's MLA layout"))
         else:
@@ -190,14 +193,15 @@ def attention_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
             other = _other_kind(spec, info)
             kv = kv_bytes_per_token(cfg)
             vs = f"; an MLA head for this target: {other['engine']} B" if other else ""
-            checks.append(Check("draft KV cache", PASS, f"{kv['engine']} B per token in bf16 ({spec.num_key_value_heads} "
-                                f"kv heads x {spec.head_dim}, keys and values){vs}"))
+            checks.append(Check("draft KV cache", PASS, f"{kv['engine']} B per token in bf16 ({hcfg.num_key_value_heads} "
+                                f"kv heads x {hcfg.head_dim}, keys and values){vs}"))
     return checks
 
 
 def option_checks(spec: HeadSpec) -> list[Check]:
     """EAGLE 3.1 options and the sliding window: does each engine read them?"""
-    options: dict[str, Any] = {**spec.options, "sliding_window": spec.sliding_window}
+    hcfg = spec.config
+    options: dict[str, Any] = {**spec.options, "sliding_window": hcfg.sliding_window}
     used = [k for k, v in options.items() if v]
     if not used:
         return []
@@ -205,7 +209,7 @@ def option_checks(spec: HeadSpec) -> list[Check]:
     for engine in ("vllm", "sglang"):
         if engine == "sglang" and spec.source == "speculators":
             continue
-        blocking, caveats = option_issues(spec.attention, options, engine)
+        blocking, caveats = option_issues(hcfg.attention, options, engine)
         label = LABEL[engine]
         if blocking:
             checks.append(Check("draft options", FAIL, f"{label} does not read {', '.join(blocking)}: it would run "
@@ -269,6 +273,7 @@ def _our_name(k: str) -> str:
 
 
 def weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
+    hcfg = spec.config
     import torch
 
     tensors, shapes = _read_small_tensors(path, ("d2t", "t2d"))
@@ -295,17 +300,17 @@ def weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
     checks.append(_finite_check(path))
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if d2t is None:
-        if spec.draft_vocab_size == spec.vocab_size:
+        if hcfg.draft_vocab_size == hcfg.vocab_size:
             checks.append(Check("d2t", PASS, "no d2t; the draft vocabulary is the whole vocabulary (identity)"))
         else:
-            checks.append(Check("d2t", FAIL, f"no d2t although the draft vocabulary ({spec.draft_vocab_size}) is "
+            checks.append(Check("d2t", FAIL, f"no d2t although the draft vocabulary ({hcfg.draft_vocab_size}) is "
                                 f"smaller than the vocabulary: draft ids cannot be mapped to target ids"))
         return checks
     d2t = d2t.long()
     targets = torch.arange(d2t.numel()) + d2t
     problems = []
-    if d2t.numel() != spec.draft_vocab_size:
-        problems.append(f"length {d2t.numel()} != draft vocab {spec.draft_vocab_size}")
+    if d2t.numel() != hcfg.draft_vocab_size:
+        problems.append(f"length {d2t.numel()} != draft vocab {hcfg.draft_vocab_size}")
     if d2t.numel() and (int(targets.min()) < 0 or int(targets.max()) >= info.vocab_size):
         problems.append(f"maps outside the target vocabulary 0..{info.vocab_size - 1}")
     elif targets.unique().numel() != targets.numel():

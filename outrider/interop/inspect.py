@@ -284,38 +284,39 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
 
     draft_path = Path(draft).expanduser()
     spec = read_head_spec(draft_path)
-    if spec.draft_vocab_size > info.vocab_size:
-        raise UserError(f"the draft vocabulary ({spec.draft_vocab_size}) is larger than the target's vocabulary "
+    hcfg = spec.config
+    if hcfg.draft_vocab_size > info.vocab_size:
+        raise UserError(f"the draft vocabulary ({hcfg.draft_vocab_size}) is larger than the target's vocabulary "
                         f"({info.vocab_size}): this draft was made for another tokenizer")
-    if spec.draft_vocab_size > spec.vocab_size:
-        raise UserError(f"the draft's config is inconsistent: draft_vocab_size {spec.draft_vocab_size} > vocab_size "
-                        f"{spec.vocab_size}")
+    if hcfg.draft_vocab_size > hcfg.vocab_size:
+        raise UserError(f"the draft's config is inconsistent: draft_vocab_size {hcfg.draft_vocab_size} > vocab_size "
+                        f"{hcfg.vocab_size}")
     origin = {"outrider": "outrider", "speculators": "speculators", "eagle3": "SpecForge/SGLang-style"}[spec.source]
-    kind = (f"MLA ({spec.num_attention_heads} heads, q_lora {spec.mla['q_lora_rank']}, kv_lora "
-            f"{spec.mla['kv_lora_rank']}, rope {spec.mla['qk_rope_head_dim']})" if spec.attention == "mla"
-            else f"{spec.num_attention_heads} heads x {spec.head_dim}")
-    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {spec.hidden_size}, {kind}, draft vocab "
-                        f"{spec.draft_vocab_size}"))
+    kind = (f"MLA ({hcfg.num_attention_heads} heads, q_lora {spec.mla['q_lora_rank']}, kv_lora "
+            f"{spec.mla['kv_lora_rank']}, rope {spec.mla['qk_rope_head_dim']})" if hcfg.attention == "mla"
+            else f"{hcfg.num_attention_heads} heads x {hcfg.head_dim}")
+    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {hcfg.hidden_size}, {kind}, draft vocab "
+                        f"{hcfg.draft_vocab_size}"))
     draft_fp, source = None, ""
     if any((draft_path / n).exists() for n in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")):
         draft_fp, source = tokenizer_fingerprint(draft_path), "its tokenizer files"
     elif spec.target_record.get("tokenizer"):
         draft_fp, source = spec.target_record["tokenizer"], "the fingerprint recorded at export"
     checks += _tokenizer_checks(fp, draft_fp, source)
-    if spec.vocab_size == info.vocab_size:
+    if hcfg.vocab_size == info.vocab_size:
         checks.append(Check("vocab size", PASS, f"{info.vocab_size} in both"))
     else:
-        checks.append(Check("vocab size", FAIL, f"the draft was built for a vocabulary of {spec.vocab_size}, the "
+        checks.append(Check("vocab size", FAIL, f"the draft was built for a vocabulary of {hcfg.vocab_size}, the "
                             f"target has {info.vocab_size}"))
-    checks.append(Check("draft vocabulary", PASS, f"{spec.draft_vocab_size} of {info.vocab_size} target tokens "
-                        f"({100 * spec.draft_vocab_size / info.vocab_size:.0f}%)"))
-    if spec.target_hidden_size == info.hidden_size:
+    checks.append(Check("draft vocabulary", PASS, f"{hcfg.draft_vocab_size} of {info.vocab_size} target tokens "
+                        f"({100 * hcfg.draft_vocab_size / info.vocab_size:.0f}%)"))
+    if hcfg.target_hidden_size == info.hidden_size:
         checks.append(Check("hidden size", PASS, f"fc takes 3 x {info.hidden_size}, the target's width"))
     else:
-        checks.append(Check("hidden size", FAIL, f"the draft expects target hidden size {spec.target_hidden_size}, the "
+        checks.append(Check("hidden size", FAIL, f"the draft expects target hidden size {hcfg.target_hidden_size}, the "
                             f"target has {info.hidden_size}"))
-    if spec.hidden_size != info.hidden_size:
-        checks.append(Check("embedding width", FAIL, f"the draft's hidden size {spec.hidden_size} differs from the "
+    if hcfg.hidden_size != info.hidden_size:
+        checks.append(Check("embedding width", FAIL, f"the draft's hidden size {hcfg.hidden_size} differs from the "
                             f"target's {info.hidden_size}, whose embedding it reuses"))
     checks += aux_checks(spec, info)
     checks += weights_checks(draft_path, spec, info)
@@ -323,13 +324,13 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
     checks += option_checks(spec)
     checks += _engine_support(types)
     checks += attention_checks(spec, info)
-    if not spec.max_position_embeddings or not info.max_position_embeddings:
+    if not hcfg.max_position_embeddings or not info.max_position_embeddings:
         checks.append(Check("max positions", WARN, "max_position_embeddings missing on one side"))
-    elif spec.max_position_embeddings >= info.max_position_embeddings:
-        checks.append(Check("max positions", PASS, f"draft {spec.max_position_embeddings} >= target "
+    elif hcfg.max_position_embeddings >= info.max_position_embeddings:
+        checks.append(Check("max positions", PASS, f"draft {hcfg.max_position_embeddings} >= target "
                             f"{info.max_position_embeddings}"))
     else:
-        checks.append(Check("max positions", WARN, f"draft {spec.max_position_embeddings} < target "
+        checks.append(Check("max positions", WARN, f"draft {hcfg.max_position_embeddings} < target "
                             f"{info.max_position_embeddings}: beyond that the draft runs outside its trained range"))
     checks += _dtype_checks(info, spec)
     checks.append(_trained_for_check(spec, name, path))
