@@ -1,7 +1,7 @@
 """What every OpenAI-compatible server answers the same way, for both of outrider's clients (the
-regeneration client in ``train`` and the served benchmark's streaming client): the base URL as
-given (``/v1`` optional), the model to request from the ``/v1/models`` listing, and a server's
-text cut to one line for a message.
+chat client ``openai_client``, which regeneration uses, and the served benchmark's streaming
+client): the base URL as given (``/v1`` optional), the model to request from the ``/v1/models``
+listing, and a server's text cut to one line for a message.
 
 Not done here: requests (each client makes its own: blocking JSON replies, or streamed chunks).
 """

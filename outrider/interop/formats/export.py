@@ -1,41 +1,23 @@
-"""EAGLE-3 heads to and from the SGLang, vLLM and speculators checkpoint formats.
+"""Writing a head in a registered format (``formats.FORMATS``): ``export`` and ``save_head``.
 
 Contract:
-- ``export(head_or_dir, format, out, target=None)`` writes ``out/`` atomically: ``config.json``,
-  ``model.safetensors`` and ``LAUNCH.md`` (an earlier folder's output marker and lock carried over,
-  ``outrider.outputs``) (the engine flags for this head). Before the new
-  directory replaces ``out`` it is read back with ``load_head`` and the reloaded head's logits
-  on random inputs must equal the in-memory head's (same dtype, same ops): a head whose tensors
+- ``export(head_or_dir, format, out, target=None)`` writes ``out/`` atomically: ``config.json``
+  (the format's writer), ``model.safetensors`` (the format's tensor names) and ``LAUNCH.md`` (the
+  engine flags for this head); an earlier folder's output marker and lock are carried over
+  (``outputs``). Before the new folder replaces ``out`` it is read back with ``load_head`` and the
+  reloaded head's logits on random inputs must equal the in-memory head's: a head whose tensors
   SGLang would silently ignore never ships. Any missing or unknown tensor name fails the export.
-- GQA heads are ``LlamaForCausalLMEagle3`` with ``midlayer.*`` tensors; MLA heads are
-  ``Eagle3DeepseekV2ForCausalLM`` (``model_type`` ``deepseek_v3``, the MLA sizes, ``layers.0.*``
-  tensors, unfused ``q_a_proj`` / ``kv_a_proj_with_mqa``), which SGLang and vLLM both load. EAGLE
-  3.1 options are written under the keys the engines read (``fc_norm``, ``norm_output``,
-  ``norm_before_fc``, ``norm_before_residual``; tensors ``fc_norm.{i}.weight``,
-  ``input_norm.weight``), a sliding window as ``sliding_window`` + ``layer_types``.
-- ``load_head(path, target_config=None)`` reads heads written by outrider, SpecForge, SGLang,
-  SafeAILab EAGLE-3, speculators and the published MLA drafts (``outrider.interop.checkpoint``).
-- Our own checkpoint layout (``save_head``; the trainer's output) is the ``vllm`` format plus the
-  ``outrider`` section, in float32.
+- Aux ids: outrider's id ``j`` is the hidden state entering target layer ``j``; each format writes
+  what its engines read (``written_aux_ids``), aux ids are written ascending
+  (``ascending_aux_order``), and the ``outrider`` section records the true ids and their meaning.
+- A format that ``carries_target`` (speculators) names its verifier by a path or hub id that
+  resolves and carries the target's embedding, so it needs the target (``--target`` or the one the
+  head records).
+- ``save_head`` is our own checkpoint layout (the trainer's output): ``vllm`` in float32.
 
-Aux layer ids (``outrider.interop.engines``). outrider's id ``j`` is the hidden state entering
-target decoder layer ``j``. Each engine reads its own key: vLLM the top-level
-``eagle_aux_hidden_state_layer_ids`` (verbatim), SGLang ``eagle_config``'s (plus 1, by the
-target's rule). Every format writes the top-level ids as they are and, in ``eagle_config``,
-the ids that make SGLang capture the same layers on this target (``j - 1`` for the default
-``(2, L//2, L-3)`` on any target); ``sglang`` refuses ids SGLang cannot be made to read,
-``vllm`` then keeps them unshifted and says so. The ``speculators`` format writes the top-level
-ids only. Every format records the true ids and their meaning in the ``outrider`` section.
-vLLM's speculators reader defaults ``norm_before_residual`` to true when it is absent, so it is
-always written.
-
-The ``speculators`` format runs in speculators as written: it names its verifier by a path or
-hub id that resolves (never the alias ``default``) and carries the target's embedding (speculators
-fills a missing one only while it is NaN, and ``from_pretrained`` leaves zeros), so it needs the
-target (``--target`` or the one the head records). It holds GQA heads only.
-
-Not done here: quantised heads, multi-layer drafts, heads with attention biases. No network
-access: a target is a local folder, a GGUF file or ``default``.
+Not done here: the formats themselves (``formats.*``), reading (``checkpoint``); quantised heads,
+multi-layer drafts, heads with attention biases. No network access: a target is a local folder, a
+GGUF file or ``default``.
 """
 
 from __future__ import annotations
