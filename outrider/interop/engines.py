@@ -5,7 +5,7 @@ Contract: pure functions of a target's ``model_type`` and a draft's config value
 each engine will do). outrider's aux id ``j`` is the hidden state entering target layer ``j``;
 ``j = L`` the last layer's output (pre-norm).
 
-Facts, as read in the engines' sources (mid-2026):
+Facts, as read in the engines' sources:
 - vLLM reads ``eagle_aux_hidden_state_layer_ids`` at the top level of the draft config only,
   verbatim (the target appends the state before running layer ``j``), default ``(2, L//2, L-3)``
   (``gpu_model_runner``/``eagle3_utils``). ``L`` is captured where the target uses
@@ -14,7 +14,7 @@ Facts, as read in the engines' sources (mid-2026):
   without ``eagle_config`` gets ``(2, L//2, L-3)`` unshifted). Its capture runs before each
   layer, so ``set_eagle3_layers_to_capture`` adds 1 to explicit ids: always for Llama, Qwen,
   GPT-OSS... (``models/llama.py``); for DeepSeek-V2/V3 and Kimi (``models/deepseek_v2.py``) only
-  when the first id is 1 since sgl-project/sglang PR 25454 (May 2026; always before). It never
+  when the first id is 1 (sgl-project/sglang PR 25454; always before it). It never
   captures ``L``.
 - Draft architectures: ``LlamaForCausalLMEagle3`` (SGLang ``llama_eagle3.py``; vLLM aliases it to
   ``Eagle3LlamaForCausalLM``), ``Eagle3Speculator`` (vLLM only), ``Eagle3DeepseekV2ForCausalLM``
@@ -23,9 +23,9 @@ Facts, as read in the engines' sources (mid-2026):
   ``midlayer.*`` names.
 - EAGLE 3.1 and variants (``OPTION_SUPPORT``): ``fc_norm`` and ``norm_output`` are read by both
   engines' Llama and MLA drafts (SGLang MLA since PR 26506); ``norm_before_residual`` by vLLM only;
-  ``norm_before_fc`` (``input_norm``) by vLLM's Llama draft, and SGLang's only with PR 32334
-  (July 2026); a sliding window by vLLM's Llama draft from ``sliding_window`` + ``layer_types``,
-  by SGLang only from the server flag ``--speculative-draft-window-size``.
+  ``norm_before_fc`` (``input_norm``) by vLLM's Llama draft, and SGLang's only with PR 32334;
+  a sliding window by vLLM's Llama draft from ``sliding_window`` + ``layer_types``, by SGLang only
+  from the server flag ``--speculative-draft-window-size``.
 
 Not done here: reading or writing files; engine versions are named by the PRs that changed them.
 """

@@ -18,8 +18,8 @@ Contract:
 
 Not done here: downloading anything, loading model weights (only the head's small tensors
 ``d2t``/``t2d`` are read, and tensor shapes from safetensors headers), measuring acceptance
-(``outrider bench`` does). Engine facts are those of vLLM and SGLang as of mid-2026 and are
-cited where they are used; a newer engine may accept more.
+(``outrider bench`` does). Engine facts (``engines``) are cited by PR; a newer engine may accept
+more.
 """
 
 from __future__ import annotations

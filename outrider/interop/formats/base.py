@@ -5,7 +5,8 @@ its config.json writer (``config``), its aux-id rule (``written_ids``, ``check_i
 LAUNCH.md (``vllm_notes``, ``sglang_refusal``) and how its folders are recognised when read
 (``recognises``, ``read_layer``). The defaults are the EAGLE-3 draft config that SGLang and vLLM
 both read (``LlamaForCausalLMEagle3`` with ``midlayer.*`` tensors, ``Eagle3DeepseekV2ForCausalLM``
-with ``layers.0.*`` for MLA heads); a format overrides what it does differently.
+with ``layers.0.*`` for MLA heads; EAGLE 3.1 options under the keys the engines read, a sliding
+window as ``sliding_window`` + ``layer_types``); a format overrides what it does differently.
 
 Not done here: writing files (``formats.export``), loading weights (``checkpoint``).
 """
