@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from outrider.config import TrainConfig
-from outrider.train.cache import dequantize, quantize, teacher_rows, topk_teacher
-from outrider.train.cache_capture import capture_cache
-from outrider.train.datasets import load_dataset, read_manifest, write_dataset
-from outrider.train.trainer import train
+from outrider.train.states.cache import dequantize, quantize, teacher_rows, topk_teacher
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.data.datasets import load_dataset, read_manifest, write_dataset
+from outrider.train.loop.trainer import train
 
 
 def _subset(data: str, out: Path, examples: int, eval_examples: int) -> str:
@@ -57,8 +57,8 @@ def _subset(data: str, out: Path, examples: int, eval_examples: int) -> str:
 @torch.no_grad()
 def quant_part(data: str, n: int, blocks: list[int], device: str, topks: list[int] = ()) -> dict:
     from outrider.models import load_model
-    from outrider.train.capture import ModelSource
-    from outrider.train.vocab import build_draft_vocab
+    from outrider.train.states.capture import ModelSource
+    from outrider.train.data.vocab import build_draft_vocab
 
     model, _ = load_model("default", device=device, dtype="bfloat16" if device == "cuda" else "float32",
                           with_tokenizer=False)

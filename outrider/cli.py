@@ -40,7 +40,7 @@ from outrider.cliargs import (
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.signals import Interrupted, Signals
-from outrider.train.resume import NAMES as RESUME_NAMES
+from outrider.train.loop.resume import NAMES as RESUME_NAMES
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
 
@@ -125,7 +125,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_data(a: argparse.Namespace) -> int:
     from outrider.outputs import claim_dir
-    from outrider.train.prepare import build_dataset
+    from outrider.train.data.prepare import build_dataset
 
     with claim_dir(a.out, "dataset", inputs=[a.dataset, a.target, a.offload_folder]) as claim:
         report = build_dataset(a.target, a.dataset, str(claim.path), max_conversations=a.max_conversations,
@@ -140,7 +140,7 @@ def cmd_data(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from outrider.outputs import claim_dir
-    from outrider.train.trainer import train_from_cli
+    from outrider.train.loop.trainer import train_from_cli
 
     if a.force and a.resume:
         raise UserError("--resume continues the run in --out and --force replaces it: give only one")
@@ -161,10 +161,10 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
     from outrider.outputs import claim_dir
-    from outrider.train import dist
-    from outrider.train.cache_capture import capture_cache
-    from outrider.train.capture_ranks import Ranks
-    from outrider.train.stream import streamed_source
+    from outrider.train.loop import dist
+    from outrider.train.states.cache_capture import capture_cache
+    from outrider.train.states.capture_ranks import Ranks
+    from outrider.train.states.stream import streamed_source
 
     # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
     env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None

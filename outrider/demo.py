@@ -29,8 +29,8 @@ from outrider.heads.formats import export
 from outrider.models import load_model
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.planner import plan
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from tiny import save_tiny
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.errors import UserError
-from outrider.train import cache as cache_mod
-from outrider.train.cache import OutriderCache, dequantize, quantize, teacher_rows
-from outrider.train.cache_capture import capture_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.states import cache as cache_mod
+from outrider.train.states.cache import OutriderCache, dequantize, quantize, teacher_rows
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
 
 CFG = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=2, eval_examples=6, log_every=1)
@@ -213,7 +213,7 @@ def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
     cfg = CFG.replace(steps=6, save_every=1, eval_every=6)
     ref = train(target, None, str(tmp_path / "ref"), config=cfg, progress=False, cache=cache)
     out = tmp_path / "killed"
-    code = ("import sys; from outrider.train.trainer import train; from outrider.config import TrainConfig; "
+    code = ("import sys; from outrider.train.loop.trainer import train; from outrider.config import TrainConfig; "
             "train(sys.argv[1], None, sys.argv[2], config=TrainConfig.load(sys.argv[3]), progress=False, "
             "cache=sys.argv[4])")
     cfg_path = cfg.save(tmp_path / "cfg.json")
@@ -248,8 +248,8 @@ def test_killed_capture_resumes_without_rewriting_finished_shards(env, tmp_path)
     target, data = env["llama"]
     straight = Path(_capture(env, "llama", "float32"))
     out = tmp_path / "killed"
-    code = ("import sys, time\nfrom outrider.train import cache\n"
-            "from outrider.train.cache_capture import capture_cache\n"
+    code = ("import sys, time\nfrom outrider.train.states import cache\n"
+            "from outrider.train.states.cache_capture import capture_cache\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.3)\n"
             "cache._write_file = slow\n"
@@ -340,7 +340,7 @@ def test_capture_refusals_are_one_line(env, tmp_path, capsys):
 
 
 def test_data_without_loss_tokens_is_refused(env, tmp_path):
-    from outrider.train.datasets import read_manifest, write_dataset
+    from outrider.train.data.datasets import read_manifest, write_dataset
 
     target, data = env["llama"]
     manifest = read_manifest(data)

@@ -20,12 +20,12 @@ from tiny import save_tiny
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.models import load_model
-from outrider.train.cache_capture import capture_cache
-from outrider.train.datasets import load_dataset
-from outrider.train.features import open_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.target_weights import TargetWeights
-from outrider.train.trainer import train
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.data.datasets import load_dataset
+from outrider.train.states.features import open_cache
+from outrider.train.data.prepare import build_dataset
+from outrider.train.states.target_weights import TargetWeights
+from outrider.train.loop.trainer import train
 
 AUX = (1, 2, 3)
 # batches by count in a seeded order: the plan does not depend on lengths (SpecForge's are padded)

@@ -22,9 +22,9 @@ from tiny import save_tiny
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.outputs import claim_dir
-from outrider.train.capture_ranks import assign, rank_placement
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.states.capture_ranks import assign, rank_placement
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
 
 SHARD = "200"  # tokens per shard: 8 shards of the 30 examples below
 CAPTURE = ["--dtype", "float32", "--aux-layers", "1,2,3", "--max-tokens-per-shard", SHARD, "--device", "cpu",
@@ -189,7 +189,7 @@ def test_n_ranks_write_the_single_process_cache(world, tmp_path, kind, n, how):
 
 
 KILLABLE = """import os, sys, time
-from outrider.train import cache
+from outrider.train.states import cache
 write = cache._write_file
 def slow(path, data):
     write(path, data)
@@ -231,7 +231,7 @@ def test_killed_rank_resumes_with_another_n_and_trains_as_one_process(world, tmp
 
 
 FAILING = """import errno, os, sys
-from outrider.train import cache
+from outrider.train.states import cache
 write = cache._write_file
 def full(path, data):
     if os.environ["RANK"] == "1" and int(path.name.split(".")[1].split("-")[1]) >= 2:

@@ -17,7 +17,7 @@ from outrider.models import (
     load_model,
     parse_device_map,
 )
-from outrider.train.capture import TargetCapture
+from outrider.train.states.capture import TargetCapture
 
 
 def offload_map(config, disk_every: int = 2) -> dict[str, str]:
@@ -87,9 +87,9 @@ def _conversations(path, n=24, seed=0):
 
 def test_training_and_regeneration_with_offload_match(tiny_dir, tmp_path):
     from outrider.config import TrainConfig
-    from outrider.train.datasets import load_dataset
-    from outrider.train.prepare import build_dataset
-    from outrider.train.trainer import train
+    from outrider.train.data.datasets import load_dataset
+    from outrider.train.data.prepare import build_dataset
+    from outrider.train.loop.trainer import train
 
     target = str(tiny_dir("llama"))
     mapping = json.dumps(offload_map(load_model(target, device="cpu", with_tokenizer=False)[0].config))

@@ -14,9 +14,9 @@ from tiny import save_tiny
 
 from outrider.config import TrainConfig
 from outrider.errors import UserError
-from outrider.train import dist
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.loop import dist
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
 
 
 def test_single_process_env_without_torchrun(monkeypatch):

@@ -21,9 +21,9 @@ from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.report import page
-from outrider.train import logs
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.loop import logs
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
 
 SERVED = Path(__file__).parents[1] / "benchmarks" / "results" / "served" / "transformers-serve-cpu-4x32.json"
 CFG = TrainConfig(steps=8, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,

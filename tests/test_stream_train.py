@@ -19,11 +19,11 @@ from tiny import save_tiny
 
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
-from outrider.train.cache import OutriderCache
-from outrider.train.cache_capture import capture_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.stream import StreamedTarget
-from outrider.train.trainer import train
+from outrider.train.states.cache import OutriderCache
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.data.prepare import build_dataset
+from outrider.train.states.stream import StreamedTarget
+from outrider.train.loop.trainer import train
 
 CFG = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
                   draft_vocab_size=40, eval_every=2, save_every=2, eval_examples=4, log_every=1,
@@ -71,8 +71,8 @@ def test_killed_streamed_capture_resumes_bit_identical(env, tmp_path):
                   max_tokens_per_shard=300, progress=False,
                   source=StreamedTarget(env["target"], (1, 2, 3), device="cpu", tokens_per_pass=200))
     out = tmp_path / "killed"
-    code = ("import sys, time; from outrider.train import cache; from outrider.train.cache_capture import capture_cache\n"
-            "from outrider.train.stream import StreamedTarget\n"
+    code = ("import sys, time; from outrider.train.states import cache; from outrider.train.states.cache_capture import capture_cache\n"
+            "from outrider.train.states.stream import StreamedTarget\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.5)\n"
             "cache._write_file = slow\n"

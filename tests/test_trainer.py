@@ -17,11 +17,11 @@ from outrider.cli import main as cli_main
 from outrider.config import PRESETS, TrainConfig
 from outrider.errors import UserError
 from outrider.heads.checkpoint import load_head
-from outrider.train.datasets import load_dataset
-from outrider.train.metrics import tau_at
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import lr_factor, train
-from outrider.train.vocab import DraftVocab, build_draft_vocab
+from outrider.train.data.datasets import load_dataset
+from outrider.train.loop.metrics import tau_at
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import lr_factor, train
+from outrider.train.data.vocab import DraftVocab, build_draft_vocab
 
 CFG = TrainConfig(steps=12, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=3, eval_examples=6, log_every=1,
@@ -202,8 +202,8 @@ def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight
 
 
 def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
-    from outrider.train import dist
-    from outrider.train.datasets import BatchCursor
+    from outrider.train.loop import dist
+    from outrider.train.data.datasets import BatchCursor
 
     cursor = BatchCursor(load_dataset(env["data"]), CFG, dist.init_from_env("cpu"), CFG.seed)
     want = []
@@ -215,7 +215,7 @@ def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
 
 
 def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp_path, monkeypatch):
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop.trainer import _Trainer
 
     monkeypatch.setattr(_Trainer, "_over_budget", lambda self, train_s: self.step >= 5)  # step 6 is queued then
     out = tmp_path / "budget-queued"
@@ -229,7 +229,7 @@ def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp
 
 
 def test_a_non_finite_step_read_with_the_next_queued_keeps_the_last_checkpoint(env, tmp_path, monkeypatch):
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop.trainer import _Trainer
 
     launch = _Trainer._launch_step
 
@@ -280,7 +280,7 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
     ref, _ = straight
     out = tmp_path / "killed"
     cfg_path = CFG.replace(save_every=1).save(tmp_path / "cfg.json")
-    code = ("import sys; from outrider.train.trainer import train; "
+    code = ("import sys; from outrider.train.loop.trainer import train; "
             "train(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False)")
     killed_at = kill_training_after(code, [env["target"], env["data"], str(out), str(cfg_path)], out)
     assert 2 <= killed_at < 12
@@ -380,8 +380,8 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
     """``init_layer_from_target``: before any update the head's step on (embedding e, aux states)
     equals the target's last decoder layer applied to the last aux state (the embedding half of
     the projections is zero, fc passes the last aux state through)."""
-    from outrider.train import dist
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop import dist
+    from outrider.train.loop.trainer import _Trainer
 
     cfg = CFG.replace(init_layer_from_target=True)
     tr = _Trainer(dist.init_from_env("cpu"), env["target"], env["data"], str(tmp_path / "run"), None, cfg, None,

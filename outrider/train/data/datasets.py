@@ -22,7 +22,7 @@ import torch
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, read_text
 from outrider.outputs import OWN_FILES
-from outrider.train.template import vocab_identity
+from outrider.train.data.template import vocab_identity
 from outrider.values import check_ids
 
 FORMAT = "outrider-tokens"

@@ -2,9 +2,9 @@
 
 Contract:
 - ``StreamedOnline(target, data, device, dtype, aux_layer_ids, options)`` is a target side of the
-  trainer (``outrider.train.features``' protocol: ``config``, ``embedding``, ``lm_rows``,
+  trainer (``outrider.train.states.features``' protocol: ``config``, ``embedding``, ``lm_rows``,
   ``norm_weight``, ``splits``, ``flops_per_token``, ``attention_flops``, ``feature_source``) for
-  a target that is never loaded whole: ``outrider.train.stream.StreamedTarget`` with ``options``
+  a target that is never loaded whole: ``outrider.train.states.stream.StreamedTarget`` with ``options``
   (``gpu_memory``, ``tokens_per_pass``, ``packing``, ``max_chunk_tokens``). Its embedding,
   lm_head rows and final norm are read from the safetensors (``TargetWeights``); its splits
   number examples train first, then eval, as a cache's do.
@@ -16,7 +16,7 @@ Contract:
   it, all of it, with one ``states`` call (one stream of the weights), so a resumed run captures
   the very passes an uninterrupted one did and continues bit for bit. An eval batch makes it
   capture every example the evaluation reads, once for the run (the target is frozen). A pass's
-  states are kept as a cache keeps them (``outrider.train.cache.encode``, in the streamer's dtype:
+  states are kept as a cache keeps them (``outrider.train.states.cache.encode``, in the streamer's dtype:
   lossless) and turned into batches by the cache's own code (``CachedFeatures``), so training
   equals training from a cache holding the same states; with chunks of one example
   (``max_chunk_tokens=1``) the states do not depend on which examples share a pass, and it equals
@@ -35,12 +35,13 @@ import torch
 
 from outrider.errors import UserError
 from outrider.models import load_tokenizer
-from outrider.train import cache, flops
-from outrider.train.capture import TeacherHead
-from outrider.train.datasets import Batch, BatchCursor, consecutive_groups, load_split
-from outrider.train.features import CachedFeatures, CacheSplit
-from outrider.train.stream import StreamedTarget
-from outrider.train.target_weights import TargetWeights
+from outrider.train.states import cache
+from outrider.train.loop import flops
+from outrider.train.states.capture import TeacherHead
+from outrider.train.data.datasets import Batch, BatchCursor, consecutive_groups, load_split
+from outrider.train.states.features import CachedFeatures, CacheSplit
+from outrider.train.states.stream import StreamedTarget
+from outrider.train.states.target_weights import TargetWeights
 
 
 class PassCursor:

@@ -1,7 +1,7 @@
 """Hidden-state caches written by other trainers, read for ``outrider train --cache``.
 
 Contract: ``open_peer(folder)`` detects the format from the files and returns a reader with the
-interface of ``outrider.train.cache.OutriderCache`` (``kind``, ``path``, ``hidden_size``,
+interface of ``outrider.train.states.cache.OutriderCache`` (``kind``, ``path``, ``hidden_size``,
 ``aux_layer_ids`` = None (neither format records them), ``final_prenorm``, ``tokenizer`` = None,
 ``splits()`` = ``["train"]``, ``examples(split)``, ``read(split, index) -> Stored``), or refuses
 with one line. Nothing read here runs code: pickles load with ``torch.load(weights_only=True)``.
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.train.cache import Stored, teacher_rows
-from outrider.train.datasets import _pyarrow
+from outrider.train.states.cache import Stored, teacher_rows
+from outrider.train.data.datasets import _pyarrow
 from outrider.values import check_finite
 
 _NONFINITE = "the peer's capture produced them (its target or dtype): capture that example again"

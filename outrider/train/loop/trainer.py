@@ -2,9 +2,9 @@
 
 Contract:
 - ``train(target, data, out, ...)`` takes, per micro-batch, the target's aux states and its
-  teacher over the draft vocabulary from a feature source (``outrider.train.features``: the
+  teacher over the draft vocabulary from a feature source (``outrider.train.states.features``: the
   target in memory, a hidden-state cache with ``cache=``, or a layer-streamed target), then the
-  training-time-test loss of the head (``outrider.train.ttt``). AdamW, warmup then cosine decay
+  training-time-test loss of the head (``outrider.train.loop.ttt``). AdamW, warmup then cosine decay
   (over the steps or the ``time_budget_s``, whichever ends first), clipping, bf16 autocast on
   CUDA, accumulation, periodic evaluation; the best head has the highest simulated acceptance
   length at ``tau_k`` drafts.
@@ -15,7 +15,7 @@ Contract:
   of what makes the result (``resume``: data, dtype, source, ...) unless ``allow_change`` names it.
 - ``signals``: SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint.
 - ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
-  ``outrider.train.checkpoint``), ``metrics.jsonl`` (``outrider.train.metrics``) and
+  ``outrider.train.loop.checkpoint``), ``metrics.jsonl`` (``outrider.train.loop.metrics``) and
   ``train_config.json``; directories are swapped in atomically, so a run killed at any point
   leaves the previous complete ``last/`` and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
 - Exact resume: ``resume=True`` continues with the next micro-batch of the same epoch order;
@@ -50,16 +50,16 @@ from outrider.heads.formats import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
-from outrider.train import checkpoint, dist, flops, head_init, logs, soft_ce
-from outrider.train import resume as same_run
-from outrider.train.datasets import BatchCursor, to_device
-from outrider.train.features import open_target
-from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
-from outrider.train.schedule import lr_factor
-from outrider.train.stream import stream_options
-from outrider.train.stream_train import StreamedOnline
-from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
-from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
+from outrider.train.loop import checkpoint, dist, flops, head_init, logs, soft_ce
+from outrider.train.loop import resume as same_run
+from outrider.train.data.datasets import BatchCursor, to_device
+from outrider.train.states.features import open_target
+from outrider.train.loop.metrics import Launched, StepSums, TrainReport, peak_flops
+from outrider.train.loop.schedule import lr_factor
+from outrider.train.states.stream import stream_options
+from outrider.train.states.stream_train import StreamedOnline
+from outrider.train.loop.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
+from outrider.train.data.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 
 
 def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
@@ -70,7 +70,7 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
           stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
           signals: Signals | None = None, report_to: str = "none") -> TrainReport:
     """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
-    with no forward of the target: ``outrider.train.features``) into ``out``.
+    with no forward of the target: ``outrider.train.states.features``) into ``out``.
 
     preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
     config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
@@ -83,9 +83,9 @@ def train(target: str, data: str | None, out: str, preset: str | None = None, co
     device_map:    place the target through accelerate (``models.parse_device_map``, offload into
                    ``offload_folder``); the head stays on ``device``
     stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
-    allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.resume.NAMES``)
+    allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.loop.resume.NAMES``)
     signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
-    report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.logs``)
+    report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.loop.logs``)
     """
     if (data is None) == (cache is None):
         raise UserError("give either --data (a token dataset) or --cache (a hidden-state cache), not both")

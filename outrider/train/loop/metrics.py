@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.train import dist
+from outrider.train.loop import dist
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
 

@@ -11,8 +11,8 @@ Contract: the trainer talks to one *target side*, ``OnlineTarget`` or ``CachedTa
   ``Captured(aux [B, S, 3H], teacher [B, S, draft_vocab])`` for a training ``Batch``.
 ``CachedTarget`` never builds the target: it reads the embedding, the lm_head rows of the draft
 vocabulary and (for states stored before it) the final norm lazily from the target's
-safetensors (``TargetWeights``). Its cache is ours (``outrider.train.cache``) or a peer's
-(``outrider.train.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
+safetensors (``TargetWeights``). Its cache is ours (``outrider.train.states.cache``) or a peer's
+(``outrider.train.states.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
 detected from the files. Its examples are addressed by ``Batch.indices``: a split's datasets
 number them ``train`` first, then ``eval``. A cache of another target (config, weights or
 tokenizer), of other aux ids, or without loss tokens is refused with one line. Without
@@ -43,12 +43,13 @@ from outrider.models import (
     parse_dtype,
     resident_weight,
 )
-from outrider.train import flops, peers
-from outrider.train.cache import OutriderCache, dequantize, topk_teacher
-from outrider.train.cache_capture import target_identity
-from outrider.train.capture import Captured, TargetCapture, TeacherHead
-from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
-from outrider.train.target_weights import TargetWeights
+from outrider.train.loop import flops
+from outrider.train.states import peers
+from outrider.train.states.cache import OutriderCache, dequantize, topk_teacher
+from outrider.train.states.cache_capture import target_identity
+from outrider.train.states.capture import Captured, TargetCapture, TeacherHead
+from outrider.train.data.datasets import Batch, TokenDataset, load_split, to_device
+from outrider.train.states.target_weights import TargetWeights
 
 
 def open_target(target: str, data: str | None, cache: str | None, device: torch.device, dtype: Any, loaded: Any,

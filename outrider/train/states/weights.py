@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.train.int4 import (
+from outrider.train.states.int4 import (
     PACKED,
     SCALE,
     SHAPE,
