@@ -45,7 +45,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.train.states.cache import Stored, teacher_rows
-from outrider.train.data.datasets import _pyarrow
+from outrider.train.data.datasets import require_pyarrow
 from outrider.values import check_finite
 
 _NONFINITE = "the peer's capture produced them (its target or dtype): capture that example again"
@@ -182,7 +182,7 @@ class SpeculatorsCache:
 
 def _arrow_rows(data: Path, hs_dir: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``input_ids`` and ``loss_mask`` of a dataset written by ``datasets``' ``save_to_disk``."""
-    pa, _ = _pyarrow()
+    pa, _ = require_pyarrow()
     state = data / "state.json"
     if not state.exists():
         raise UserError(f"{hs_dir} holds speculators hidden states, but {data} has no Arrow dataset (state.json) with "
