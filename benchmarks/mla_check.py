@@ -41,6 +41,7 @@ from outrider.heads.engines import kv_bytes_per_token
 from outrider.models import load_model, resolve
 from outrider.train.data.prepare import build_dataset
 from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
 
 CONTEXTS = (512, 4096)
 BATCHES = (1, 16)
@@ -153,8 +154,8 @@ def run_target(a: argparse.Namespace, name: str, out: Path, device: torch.device
     rows = {}
     for kind in a.kinds:
         cfg = train_config(a, kind)
-        report = train(spec, str(data), str(out / f"{name}-{kind}"), config=cfg, device=device,
-                       loaded_target=(model, tok), progress=False)
+        report = train(TrainOptions(spec, str(data), str(out / f"{name}-{kind}"), config=cfg, device=device,
+                                    progress=False), loaded_target=(model, tok))
         head, hcfg = load_head(out / f"{name}-{kind}" / "head", target_config=model.config)
         head = head.to(device=device, dtype=model.dtype)
         ev = report.final_eval

@@ -35,6 +35,8 @@ from outrider.cliargs import (
     names_of,
     output_of,
     stderr_line,
+    stream_options,
+    train_options,
     user_os_error,
 )
 from outrider.errors import UserError
@@ -140,20 +142,17 @@ def cmd_data(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from outrider.outputs import claim_dir
-    from outrider.train.loop.trainer import train_from_cli
+    from outrider.train.loop.trainer import train
 
-    if a.force and a.resume:
-        raise UserError("--resume continues the run in --out and --force replaces it: give only one")
-    if a.allow_change and not a.resume:
-        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
-    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
+    options = train_options(a)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock
     with claim_dir(a.out, "run", inputs=[a.data, a.cache, a.target, a.init, a.config, a.offload_folder],
                    lock=rank0) as claim:
         if a.force and claim.existing and rank0:
             claim.clear()
-        train_from_cli(a)
+        report = train(options, signals=getattr(a, "signals", None))
+    if report.rank == 0:
+        print(report.summary())
     return 0
 
 
@@ -178,7 +177,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
                                                       lock=ranks.lead))
                 if a.force and claim.existing and ranks.lead:
                     claim.clear()
-                source = streamed_source(a.target, a.aux_layers, argparse.Namespace(**{**vars(a), "device": device}))
+                source = streamed_source(a.target, a.aux_layers, stream_options(a), device)
             except UserError as e:
                 error = e
             ranks.settle(error)

@@ -242,6 +242,38 @@ def check_args(a: argparse.Namespace) -> None:
         _check_plan(a)
 
 
+def stream_options(a: argparse.Namespace) -> Any:
+    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamOptions``, or None
+    (``train`` and ``capture`` share it)."""
+    from outrider.train.options import StreamOptions
+
+    if not a.stream_layers:
+        if a.gpu_memory is not None or a.tokens_per_pass is not None:
+            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
+        return None
+    if a.device_map is not None:
+        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
+    return StreamOptions(gpu_memory=a.gpu_memory, tokens_per_pass=a.tokens_per_pass)
+
+
+def train_options(a: argparse.Namespace) -> Any:
+    """``outrider train``'s flags -> ``TrainOptions`` (``outrider.train.options``), checked once."""
+    from outrider.train.options import TrainOptions
+
+    if a.force and a.resume:
+        raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.allow_change and not a.resume:
+        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
+    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
+    stream = stream_options(a)
+    return TrainOptions(target=a.target, data=a.data, out=a.out, cache=a.cache, preset=a.preset, config=a.config,
+                        init=a.init, resume=a.resume, device=a.device, dtype=a.dtype, max_steps=a.max_steps,
+                        aux_layer_ids=a.aux_layers, progress=not a.quiet, device_map=a.device_map,
+                        offload_folder=a.offload_folder, stream=stream, allow_change=a.allow_change or (),
+                        report_to=a.report_to)
+
+
 def user_os_error(e: BaseException) -> OSError | None:
     """The ``OSError`` a user can fix behind ``e``: ``e`` itself, one it was raised from, or, for
     writers that report one as text (``torch.save``, safetensors), one rebuilt from its message."""

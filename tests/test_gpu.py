@@ -160,6 +160,7 @@ def cuda_training(tmp_path_factory):
 
     from outrider.train.data.prepare import build_dataset
     from outrider.train.loop.trainer import train
+    from outrider.train.options import TrainOptions
 
     tmp = tmp_path_factory.mktemp("cuda-train")
     target = save_tiny("llama", tmp / "tiny")
@@ -170,8 +171,8 @@ def cuda_training(tmp_path_factory):
 
     def run(name: str, **flags):
         if name not in done:
-            report = train(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
-                           device="cuda", progress=False)
+            report = train(TrainOptions(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
+                           device="cuda", progress=False))
             losses = [json.loads(x)["loss"] for x in (tmp / name / "metrics.jsonl").read_text().splitlines()
                       if json.loads(x)["type"] == "train"]
             done[name] = report, losses

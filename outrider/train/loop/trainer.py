@@ -1,23 +1,24 @@
 """Train an EAGLE-3 head on a frozen target: training-time test, exact resume, DDP.
 
 Contract:
-- ``train(target, data, out, ...)`` takes, per micro-batch, the target's aux states and its
-  teacher over the draft vocabulary from a feature source (``outrider.train.states.features``: the
-  target in memory, a hidden-state cache with ``cache=``, or a layer-streamed target), then the
-  training-time-test loss of the head (``outrider.train.loop.ttt``). AdamW, warmup then cosine decay
-  (over the steps or the ``time_budget_s``, whichever ends first), clipping, bf16 autocast on
-  CUDA, accumulation, periodic evaluation; the best head has the highest simulated acceptance
-  length at ``tau_k`` drafts.
+- ``train(options)`` (``outrider.train.options.TrainOptions``) takes, per micro-batch, the target's
+  aux states and its teacher over the draft vocabulary from its target side
+  (``outrider.train.states.side.TargetSide``: the target in memory, a hidden-state cache, or a
+  layer-streamed target), then the training-time-test loss of the head (``ttt``). AdamW, warmup
+  then cosine decay (over the steps or the ``time_budget_s``, whichever ends first), clipping,
+  bf16 autocast on CUDA, accumulation, periodic evaluation; the best head has the highest
+  simulated acceptance length at ``tau_k`` drafts.
 - Each unroll step's loss is averaged over the loss positions of the whole global batch (counts
   known from the masks before any forward), so 1 and N processes compute the same gradient.
 - The draft vocabulary comes from the training split's loss-token counts and is stored with
-  every checkpoint; an ``init`` fine-tune keeps its head's vocabulary. A resume refuses any change
-  of what makes the result (``resume``: data, dtype, source, ...) unless ``allow_change`` names it.
+  every checkpoint (``outrider.train.data.vocab``); an ``init`` fine-tune keeps its
+  head's. A resume refuses any change of what makes the result (``resume``) unless
+  ``allow_change`` names it.
 - ``signals``: SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint.
 - ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
-  ``outrider.train.loop.checkpoint``), ``metrics.jsonl`` (``outrider.train.loop.metrics``) and
-  ``train_config.json``; directories are swapped in atomically, so a run killed at any point
-  leaves the previous complete ``last/`` and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
+  ``checkpoint``), ``metrics.jsonl`` (``metrics``, ``logs``) and ``train_config.json``; directories
+  are swapped in atomically, so a run killed at any point leaves the previous complete ``last/``
+  and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
 - Exact resume: ``resume=True`` continues with the next micro-batch of the same epoch order;
   bit-identical on CPU to a run never interrupted. ``run_ahead`` queues step n+1 before reading
   step n's metrics (equal results, bit-identical on CPU).
@@ -25,8 +26,9 @@ Contract:
   of each global batch; rank 0 writes. Resuming needs the same number of processes.
 - User-fixable errors are one-line ``UserError``s raised before anything written is touched.
 
-Not done here: the loss (``ttt``), the capture (``capture``), the features' sources
-(``features``), the head's starting weights (``head_init``), FSDP2 (``dist.shard_head`` is the hook).
+Not done here: flags (``outrider.cliargs``), the loss (``ttt``), the target sides
+(``outrider.train.states``), the head's starting weights (``head_init``), FSDP2
+(``dist.shard_head`` is the hook).
 """
 
 from __future__ import annotations
@@ -50,89 +52,52 @@ from outrider.heads.formats import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
+from outrider.train.data.datasets import BatchCursor, to_device
+from outrider.train.data.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
 from outrider.train.loop import checkpoint, dist, flops, head_init, logs, soft_ce
 from outrider.train.loop import resume as same_run
-from outrider.train.data.datasets import BatchCursor, to_device
-from outrider.train.states.features import open_target
 from outrider.train.loop.metrics import Launched, StepSums, TrainReport, peak_flops
 from outrider.train.loop.schedule import lr_factor
-from outrider.train.states.stream import stream_options
-from outrider.train.states.stream_train import StreamedOnline
 from outrider.train.loop.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
-from outrider.train.data.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
+from outrider.train.options import TrainOptions
+from outrider.train.states.features import open_target
+from outrider.train.states.side import TargetSide
+from outrider.train.states.stream_train import StreamedOnline
 
 
-def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
-          init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
-          dtype: str | torch.dtype | None = None, max_steps: int | None = None,
-          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
-          cache: str | None = None, device_map: str | dict | None = None, offload_folder: str | None = None,
-          stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-          signals: Signals | None = None, report_to: str = "none") -> TrainReport:
-    """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
-    with no forward of the target: ``outrider.train.states.features``) into ``out``.
+def train(options: TrainOptions, *, loaded_target: Any = None, signals: Signals | None = None) -> TrainReport:
+    """Train an EAGLE-3 head as ``options`` say (``outrider.train.options``) into ``options.out``.
 
-    preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
-    config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
-    init:          a head folder (any format ``load_head`` reads) or an earlier run's ``out`` to fine-tune
-    resume:        continue the run in ``out/last`` exactly where it stopped
-    max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
-    aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
-    cache:         a hidden-state cache (ours, SpecForge's or speculators'), instead of ``data``
-    device_map:    place the target through accelerate (``models.parse_device_map``, offload into
-                   ``offload_folder``); the head stays on ``device``
-    stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
-    allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.loop.resume.NAMES``)
     signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
-    report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.loop.logs``)
     """
-    if (data is None) == (cache is None):
-        raise UserError("give either --data (a token dataset) or --cache (a hidden-state cache), not both")
-    logs.require(report_to)
-    env = dist.init_from_env(device)
+    logs.require(options.report_to)
+    env = dist.init_from_env(options.device)
     try:
-        return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
-                        progress, loaded_target, cache, (device_map, offload_folder), stream, allow_change,
-                        signals, report_to).run()
+        return _Trainer(env, options, loaded_target, signals).run()
     finally:
         dist.shutdown(env)
 
 
-def train_from_cli(args: Any) -> TrainReport:
-    """``outrider train``: the CLI's namespace -> ``train``; rank 0 prints the summary."""
-    report = train(args.target, args.data, args.out, preset=args.preset, config=args.config, init=args.init,
-                   resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
-                   aux_layer_ids=args.aux_layers, progress=not args.quiet, cache=getattr(args, "cache", None),
-                   device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None),
-                   stream=stream_options(args), allow_change=getattr(args, "allow_change", None) or (),
-                   signals=getattr(args, "signals", None), report_to=getattr(args, "report_to", "none"))
-    if report.rank == 0:
-        print(report.summary())
-    return report
-
-
 class _Trainer:
-    def __init__(self, env: dist.DistEnv, target: str, data: str, out: str, preset: str | None,
-                 config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
-                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
-                 cache: str | None = None, placement: tuple[Any, Any] = (None, None),
-                 stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-                 signals: Signals | None = None, report_to: str = "none"):
-        self.t_start, self.report_to, self.log = time.perf_counter(), report_to, None
+    def __init__(self, env: dist.DistEnv, options: TrainOptions, loaded_target: Any = None,
+                 signals: Signals | None = None):
+        o = options
+        self.t_start, self.report_to, self.log = time.perf_counter(), o.report_to, None
         self.signals, self.interrupt = signals, None
-        self.env, self.target_name, self.data, self.init = env, str(target), str(cache or data), init
-        self.out = Path(out).expanduser()
+        self.env, self.target_name, self.data, self.init = env, str(o.target), str(o.cache or o.data), o.init
+        self.out = Path(o.out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
-        self.progress, self.notes = progress and env.is_main, []
-        self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
-        self._settings(preset, config, init, max_steps, aux_layer_ids)
-        self._open_target(data, cache, dtype, loaded_target, placement, stream)
-        self.identity = same_run.identity(data, cache, stream, parse_dtype(dtype, self.env.device),
+        self.progress, self.notes = o.progress and env.is_main, []
+        self.resume_state = checkpoint.read_state(self.last_dir) if o.resume else None
+        self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids)
+        self._open_target(o, loaded_target)
+        stream = o.stream.as_kwargs() if o.stream is not None else None
+        self.identity = same_run.identity(o.data, o.cache, stream, parse_dtype(o.dtype, self.env.device),
                                           self.config.aux_layer_ids, self.target.config, self.config)
-        self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, allow_change) \
+        self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, o.allow_change) \
             if self.resume_state is not None else {}
-        self._build_head(init)
+        self._build_head(o.init)
         self._build_optimizer()
         self._restore()
 
@@ -158,21 +123,21 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-    def _open_target(self, data: str | None, cache: str | None, dtype: Any, loaded: Any,
-                     placement: tuple[Any, Any], stream: dict[str, Any] | None) -> None:
-        """The target side (``features``: a cache with the target's few tensors read lazily, the target
-        loaded after its data, or ``stream_train``: streamed layer by layer), its splits and
-        embedding; a cache's or a streamed target's aux ids become the run's."""
-        if stream is not None:
-            if placement[0] is not None or loaded is not None or cache is not None:
+    def _open_target(self, o: TrainOptions, loaded: Any) -> None:
+        """The target side (``TargetSide``: ``states.features.open_target``, or
+        ``states.stream_train.StreamedOnline``), its splits and embedding; a cache's or a streamed
+        target's aux ids become the run's."""
+        device = self.env.device
+        if o.stream is not None:
+            if loaded is not None:
                 raise UserError("--stream-layers streams the target from its files: drop --device-map and --cache")
             if self.env.distributed:
                 raise UserError("--stream-layers trains on one process: run it without torchrun")
-            self.target = StreamedOnline(self.target_name, data, self.env.device,
-                                         parse_dtype(dtype, self.env.device), self.config.aux_layer_ids, stream)
+            self.target: TargetSide = StreamedOnline(self.target_name, o.data, device, parse_dtype(o.dtype, device),
+                                                     self.config.aux_layer_ids, o.stream)
         else:
-            self.target = open_target(self.target_name, data, cache, self.env.device, dtype, loaded,
-                                      self.config.aux_layer_ids, placement)
+            self.target = open_target(self.target_name, o.data, o.cache, device, o.dtype, loaded,
+                                      self.config.aux_layer_ids, (o.device_map, o.offload_folder))
         self.config = self.config.replace(aux_layer_ids=self.target.aux_layer_ids or self.config.aux_layer_ids)
         self.notes.extend(self.target.notes)
         self.train_ds, self.eval_ds = self.target.splits["train"], self.target.splits["eval"]
@@ -285,9 +250,7 @@ class _Trainer:
             if self.step >= self.stop_at:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
-        follow = getattr(self.target, "follow", None)  # a streamed target captures the batches ahead
-        if follow is not None:
-            self.cursor = follow(self.cursor)
+        self.cursor = self.target.follow(self.cursor)  # a streamed target captures the batches ahead
 
     def _load_head_weights(self, directory: Path) -> None:
         saved, saved_cfg = load_head(directory)

@@ -49,6 +49,7 @@ import torch
 from outrider.errors import UserError
 from outrider.models import cache_parameter, check_aux_ids, parse_dtype, read_json_object, resolve
 from outrider.train.data.datasets import consecutive_groups
+from outrider.train.options import StreamOptions
 from outrider.train.states.int4 import Int4Scheme
 from outrider.train.states.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
 from outrider.train.states.weights import (
@@ -544,25 +545,13 @@ class StreamedTarget:
         self.close()
 
 
-def stream_options(args: Any) -> dict[str, Any] | None:
-    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamedTarget`` options, or None."""
-    gpu_memory, tokens = getattr(args, "gpu_memory", None), getattr(args, "tokens_per_pass", None)
-    if not getattr(args, "stream_layers", False):
-        if gpu_memory is not None or tokens is not None:
-            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
-        return None
-    if getattr(args, "device_map", None) is not None:
-        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
-    return {"gpu_memory": gpu_memory, "tokens_per_pass": tokens}
-
-
-def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, args: Any) -> "StreamedTarget | None":
+def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, stream: StreamOptions | None,
+                    device: Any = None) -> "StreamedTarget | None":
     """``outrider capture --stream-layers``: the capture's hidden-state source, or None (load the target)."""
-    options = stream_options(args)
-    if options is None:
+    if stream is None:
         return None
     ids = sorted(aux_layer_ids) if aux_layer_ids is not None else None
-    return StreamedTarget(target, ids, device=getattr(args, "device", None), **options)
+    return StreamedTarget(target, ids, device=device, **stream.as_kwargs())
 
 
 def _event() -> torch.cuda.Event:
