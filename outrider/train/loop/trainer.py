@@ -11,7 +11,7 @@ Contract:
 - Each unroll step's loss is averaged over the loss positions of the whole global batch (counts
   known from the masks before any forward), so 1 and N processes compute the same gradient.
 - The draft vocabulary comes from the training split's loss-token counts and is stored with
-  every checkpoint (``outrider.train.data.vocab``); an ``init`` fine-tune keeps its
+  every checkpoint (``outrider.train.data.vocab.run_vocab``); an ``init`` fine-tune keeps its
   head's. A resume refuses any change of what makes the result (``resume``) unless
   ``allow_change`` names it.
 - ``signals``: SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint.
@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -53,10 +52,10 @@ from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
 from outrider.train.data.datasets import BatchCursor, to_device
-from outrider.train.data.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
+from outrider.train.data.vocab import DraftVocab, run_vocab
 from outrider.train.loop import checkpoint, dist, flops, head_init, logs, soft_ce
 from outrider.train.loop import resume as same_run
-from outrider.train.loop.metrics import Launched, StepSums, TrainReport, peak_flops
+from outrider.train.loop.metrics import Launched, StepSums, Throughput, TrainReport, peak_flops
 from outrider.train.loop.schedule import lr_factor
 from outrider.train.loop.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
 from outrider.train.options import TrainOptions
@@ -156,7 +155,7 @@ class _Trainer:
         """The draft vocabulary and the head: fresh, fine-tuned from ``init``, or the checkpoint's."""
         cfg, target_cfg = self.config, self.target.config
         vocab_size = arch_info(target_cfg).vocab_size
-        init_head = None
+        init_head, init_vocab = None, None
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
         if init is not None:
             init_head, _ = load_head(checkpoint.init_head_dir(init), target_config=target_cfg)
@@ -166,25 +165,10 @@ class _Trainer:
                 raise UserError(f"aux layer ids {list(cfg.aux_layer_ids)} differ from those of the --init head "
                                 f"{list(init_head.config.aux_layer_ids)}: drop --aux-layers")
             self.config = cfg = cfg.replace(aux_layer_ids=init_head.config.aux_layer_ids, draft_vocab_size=size)
-        pairs = ((ids.astype(np.int64), mask.astype(np.int64)) for ids, mask in
-                 zip(self.train_ds.input_ids, self.train_ds.loss_mask))
-        counts = token_counts(pairs, vocab_size)  # [vocab] loss-masked occurrences
-        self.vocab = build_draft_vocab(counts, vocab_size, size)
-        if init is not None:  # the head's rows belong to its vocabulary: a fine-tune keeps it
-            own, ids = self.vocab, init_vocab.draft_ids
-            self.vocab = DraftVocab.from_draft_ids(ids, vocab_size, counts[ids], int(counts.sum()))
-            if not torch.equal(ids, own.draft_ids):
-                self.notes.append(f"kept the --init head's draft vocabulary: it covers {100 * self.vocab.coverage():.2f} % "
-                                  f"of this data's loss tokens (one built from this data: {100 * own.coverage():.2f} %)")
-        if self.resume_state is not None:  # the checkpoint's vocabulary, if the data is the same
-            saved = DraftVocab.load(self.last_dir)
-            same = saved.target_vocab_size == vocab_size and saved.total == int(counts.sum()) \
-                and torch.equal(saved.counts, counts[saved.draft_ids])
-            if not same and "data" not in self.changed:  # an allowed change of data keeps the head's rows
-                check_same(saved, self.vocab)  # the clearer message where the vocabulary itself moved
-                raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
-                                "with the same --data, or train into a new --out")
-            self.vocab = saved
+        saved = DraftVocab.load(self.last_dir) if self.resume_state is not None else None
+        self.vocab, notes = run_vocab(self.train_ds, vocab_size, size, init_vocab, saved,
+                                      "data" in self.changed)
+        self.notes.extend(notes)
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
         head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
@@ -243,9 +227,7 @@ class _Trainer:
             pos = s["position"]
             self.cursor = BatchCursor(self.train_ds, cfg, env, int(pos["seed"]), int(pos["epoch"]), int(pos["batch"]))
             self.last_eval = s.get("last_eval") or {}
-            w = s["window"]
-            self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
-            self.window.tokens = int(w["tokens"])
+            self.window.load_state(s["window"])
             self.train_s = float(s.get("train_s", 0.0))
             if self.step >= self.stop_at:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
@@ -285,7 +267,7 @@ class _Trainer:
         objective = dist.wrap(self.objective(), env)
         bar = Bar(self.progress, "train", self.stop_at, completed=self.step,
                   fields="loss {loss} acc0 {acc0} tau {tau} {tps} tok/s")
-        train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
+        rate = Throughput(self.peak, env.world_size)  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             checkpoint.set_rng_state(self.resume_state["rng"])
         deferred = self.signals.deferred() if self.signals is not None else contextlib.nullcontext()
@@ -294,15 +276,8 @@ class _Trainer:
                 self.capture = capture
                 for launched, m, counted, queued, dt in self._steps(objective):
                     m["ahead"] = launched.ahead
-                    train_s += dt
                     self.train_s += dt
-                    tokens_seen += m["tokens"]
-                    weights, attention = self._step_flops(m["tokens"], counted, m["attn_pairs"])
-                    total_flops += weights + attention
-                    m["tokens_per_s"], m["train_s"] = round(m["tokens"] / dt, 2), round(self.train_s, 3)
-                    if self.peak:
-                        m["mfu"] = round((weights + attention) / (dt * self.peak * env.world_size), 5)
-                        m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
+                    rate.add(m, dt, *self._step_flops(m["tokens"], counted, m["attn_pairs"]), self.train_s)
                     bar.update(self.step, loss=f"{m['loss']:.3f}", acc0=f"{m['per_step_acc'][0]:.2f}",
                                tau=f"{m['sim_tau_k']:.2f}", tps=f"{m['tokens_per_s']:.0f}")
                     if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
@@ -329,15 +304,14 @@ class _Trainer:
                                               "rerun with --resume to continue exactly")
         if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
             self._checkpoint_head()  # a resume of a finished run with no head/ left
-        mfu = total_flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
         if self.eval_ds is None:
             self.notes.append("the data has no eval split: the best head was chosen on training accuracy")
         return TrainReport(
             out=str(self.out), head_dir=str(self.head_dir), preset=self.preset, steps=self.step,
             schedule_steps=cfg.steps, best_step=self.best_step,
             best_sim_tau=float(self.best_score) if self.best_score > -math.inf else float("nan"), tau_k=cfg.tau_k,
-            final_eval=self.last_eval, train_tokens=tokens_seen, wall_s=time.perf_counter() - self.t_start,
-            train_s=train_s, tokens_per_s=tokens_seen / train_s if train_s > 0 else 0.0, mfu=mfu,
+            final_eval=self.last_eval, train_tokens=rate.tokens, wall_s=time.perf_counter() - self.t_start,
+            train_s=rate.train_s, tokens_per_s=rate.tokens_per_s(), mfu=rate.mfu(),
             mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
             global_batch_tokens=self.global_batch_tokens,
             device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
@@ -551,8 +525,7 @@ class _Trainer:
                 "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
                 "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(), "train_s": self.train_s,
                 "identity": self.identity,
-                "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
-                           "tokens": self.window.tokens},
+                "window": self.window.state(),
             }
             readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
                                               "target", "data", "vocab_fingerprint", "identity")}
