@@ -220,7 +220,8 @@ def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp
 
     monkeypatch.setattr(_Trainer, "_over_budget", lambda self, train_s: self.step >= 5)  # step 6 is queued then
     out = tmp_path / "budget-queued"
-    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e9), progress=False))
+    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e9),
+                                progress=False))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert [r["ahead"] for r in records if r["type"] == "train"][-1] is True
@@ -254,7 +255,8 @@ def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
     ref = train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False))
     assert ref.steps == 10 and ref.global_batch == 0 and ref.global_batch_tokens == 240
     assert "240 padded tokens" in ref.summary()
-    first = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=cfg, max_steps=4, progress=False))
+    first = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=cfg, max_steps=4,
+                               progress=False))
     second = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False))
     assert first.steps == 4 and second.steps == 10
     records = [_train_records(tmp_path / d) for d in ("a", "b")]
@@ -281,7 +283,8 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
     ref, _ = straight
     out = tmp_path / "killed"
     cfg_path = CFG.replace(save_every=1).save(tmp_path / "cfg.json")
-    code = ("import sys; from outrider.train.loop.trainer import train; from outrider.train.options import TrainOptions; "
+    code = ("import sys; from outrider.train.loop.trainer import train; "
+            "from outrider.train.options import TrainOptions; "
             "train(TrainOptions(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False))")
     killed_at = kill_training_after(code, [env["target"], env["data"], str(out), str(cfg_path)], out)
     assert 2 <= killed_at < 12
@@ -313,8 +316,8 @@ def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, strai
     head = load_head(tmp_path / "ft2" / "head")[0]
     assert torch.equal(head.d2t.cpu(), mine.d2t)
     cfg = CFG.replace(steps=4, eval_every=4, save_every=2)  # a fine-tune that keeps its vocabulary resumes
-    train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft3"), init=str(ref / "head"), config=cfg, max_steps=2,
-          progress=False))
+    train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft3"), init=str(ref / "head"), config=cfg,
+                       max_steps=2, progress=False))
     resumed = train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft3"), resume=True, progress=False))
     assert resumed.resumed_from == 2 and resumed.steps == 4
     assert torch.equal(DraftVocab.load(tmp_path / "ft3" / "last").draft_ids, mine.draft_ids)
@@ -359,7 +362,8 @@ def test_empty_and_too_small_datasets_are_one_line_errors(env, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "no train examples" in err
     with pytest.raises(UserError, match="fewer than one batch"):
-        train(TrainOptions(env["target"], env["data"], str(tmp_path / "o2"), config=CFG.replace(batch_size=64), progress=False))
+        train(TrainOptions(env["target"], env["data"], str(tmp_path / "o2"), config=CFG.replace(batch_size=64),
+                           progress=False))
     with pytest.raises(UserError, match="not an outrider token dataset"):
         train(TrainOptions(env["target"], str(tmp_path), str(tmp_path / "o3"), config=CFG, progress=False))
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
@@ -369,7 +373,8 @@ def test_time_budget_ends_the_run_with_a_head(env, tmp_path):
     """A run over its training-time budget stops after the step that crossed it: final eval,
     checkpoint and head written, the early stop named in the report."""
     out = tmp_path / "budget"
-    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e-9), progress=False))
+    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e-9),
+                                progress=False))
     assert report.steps == 1 and report.schedule_steps == CFG.steps
     assert any("time budget" in n for n in report.notes)
     assert (out / "head" / "model.safetensors").is_file() and (out / "last").is_dir()
@@ -385,8 +390,8 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
     from outrider.train.loop.trainer import _Trainer
 
     cfg = CFG.replace(init_layer_from_target=True)
-    tr = _Trainer(dist.init_from_env("cpu"), TrainOptions(env["target"], env["data"], str(tmp_path / "run"), config=cfg,
-                                                          progress=False))
+    options = TrainOptions(env["target"], env["data"], str(tmp_path / "run"), config=cfg, progress=False)
+    tr = _Trainer(dist.init_from_env("cpu"), options)
     model, head = tr.target.model, tr.head
     ids = torch.tensor([[5, 17, 23, 42, 8, 61]])
     with torch.no_grad():
@@ -425,3 +430,15 @@ def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path)
     record = bench(env["target"], "eagle3", draft=str(tmp_path / "ft/head"), k=3, num_prompts=2, max_new_tokens=12,
                    prompts=str(prompts), device="cpu")
     assert record["lossless"] is True and record["new_tokens"] > 0
+
+
+def test_the_three_target_sides_have_the_protocols_methods():
+    """``TargetSide`` (``outrider.train.states.side``): online, cached and streamed sides implement it."""
+    from outrider.train.states.features import CachedTarget, OnlineTarget
+    from outrider.train.states.side import TargetSide
+    from outrider.train.states.stream_train import StreamedOnline
+
+    methods = [n for n, v in vars(TargetSide).items() if callable(v) and not n.startswith("_")]
+    assert "feature_source" in methods and "follow" in methods
+    for side in (OnlineTarget, CachedTarget, StreamedOnline):
+        assert all(callable(getattr(side, n, None)) for n in methods), side

@@ -280,13 +280,7 @@ class _Trainer:
                     rate.add(m, dt, *self._step_flops(m["tokens"], counted, m["attn_pairs"]), self.train_s)
                     bar.update(self.step, loss=f"{m['loss']:.3f}", acc0=f"{m['per_step_acc'][0]:.2f}",
                                tau=f"{m['sim_tau_k']:.2f}", tps=f"{m['tokens_per_s']:.0f}")
-                    if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
-                        self.stop_at = self.step + queued  # a step already queued is finished and counted
-                        self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
-                                          f"step {self.stop_at} of {cfg.steps}")
-                    if self.interrupt is None and self.step < self.stop_at and self._any_rank(
-                            self.signals is not None and self.signals.received is not None):
-                        self.interrupt, self.stop_at = self.signals.received or 15, self.step + queued
+                    self._stop_early(queued)
                     end = self.step == self.stop_at and self.interrupt is None  # a signal's stop is no end
                     if env.is_main and (self.step % cfg.log_every == 0 or end):
                         self._log({"type": "train", **m})
@@ -306,6 +300,22 @@ class _Trainer:
             self._checkpoint_head()  # a resume of a finished run with no head/ left
         if self.eval_ds is None:
             self.notes.append("the data has no eval split: the best head was chosen on training accuracy")
+        return self._report(rate)
+
+    def _stop_early(self, queued: int) -> None:
+        """Lowers ``stop_at`` after the step just read when the time budget is used up or a signal came
+        (on any rank); the ``queued`` steps already launched are finished and counted."""
+        cfg = self.config
+        if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
+            self.stop_at = self.step + queued
+            self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
+                              f"step {self.stop_at} of {cfg.steps}")
+        if self.interrupt is None and self.step < self.stop_at and self._any_rank(
+                self.signals is not None and self.signals.received is not None):
+            self.interrupt, self.stop_at = self.signals.received or 15, self.step + queued
+
+    def _report(self, rate: Throughput) -> TrainReport:
+        env, cfg = self.env, self.config
         return TrainReport(
             out=str(self.out), head_dir=str(self.head_dir), preset=self.preset, steps=self.step,
             schedule_steps=cfg.steps, best_step=self.best_step,
@@ -376,10 +386,6 @@ class _Trainer:
     def _pauses_at(self, step: int) -> bool:
         """Does the run evaluate or checkpoint after ``step`` on the config's schedule?"""
         return step % self.config.eval_every == 0 or step % self.config.save_every == 0
-
-    def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
-        """One optimizer step, queued and then read."""
-        return self._finish_step(self._launch_step(objective))
 
     def _launch_step(self, objective: nn.Module) -> Launched:
         """Queues one optimizer step. The loss positions are found on the host and travel with the
