@@ -154,8 +154,8 @@ def train_part(data: str, work: Path, cfg: TrainConfig, device: str, variants: l
             shutil.rmtree(run)
         cache = None if name == "online" else str(work / f"cache-{name}")
         t = time.perf_counter()
-        r = train(TrainOptions("default", data if cache is None else None, str(run), config=cfg, device=device, progress=False,
-                  cache=cache))
+        r = train(TrainOptions("default", data if cache is None else None, str(run), config=cfg, device=device,
+                               progress=False, cache=cache))
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [x for x in rows if x["type"] == "train"]
         steady = steps[len(steps) // 4:] or steps

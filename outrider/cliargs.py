@@ -4,7 +4,9 @@ Contract: every numeric flag is parsed by a type from here that states its range
 ``FloatRange``, ``int_list``), so a value out of range is refused at parse time with one line
 saying the range; ``device`` refuses a device this machine does not have. ``check_args`` runs the
 checks that join several flags or look at an input's kind (k within max-new-tokens, a draft of
-the kind the method needs) before the verb starts. ``OneLineParser`` prints an argument error as
+the kind the method needs) before the verb starts. ``train_options`` checks ``train``'s flags once
+into a ``TrainOptions`` (``outrider.train.options``); ``stream_options`` the streaming flags that
+``train`` and ``capture`` share. ``OneLineParser`` prints an argument error as
 one line (no usage block), exit status 2. ``user_os_error`` finds the ``OSError`` a user can fix
 (permissions, a read-only or full file system, a path through a file, a folder where a file
 belongs, a name too long: ``fsutil.USER_ERRNOS``) behind an exception, for ``fsutil.os_error_line``. Nothing heavy is
@@ -20,10 +22,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.errors import UserError
 from outrider.fsutil import USER_ERRNOS, os_error_line  # noqa: F401  (os_error_line: the CLI's, kept here)
+
+if TYPE_CHECKING:
+    from outrider.train.options import StreamOptions, TrainOptions
 
 K_MAX = 64  # draft tokens per step: a verification forward of k+1 positions, k+1 cache slots a step
 
@@ -242,7 +247,7 @@ def check_args(a: argparse.Namespace) -> None:
         _check_plan(a)
 
 
-def stream_options(a: argparse.Namespace) -> Any:
+def stream_options(a: argparse.Namespace) -> StreamOptions | None:
     """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamOptions``, or None
     (``train`` and ``capture`` share it)."""
     from outrider.train.options import StreamOptions
@@ -256,7 +261,7 @@ def stream_options(a: argparse.Namespace) -> Any:
     return StreamOptions(gpu_memory=a.gpu_memory, tokens_per_pass=a.tokens_per_pass)
 
 
-def train_options(a: argparse.Namespace) -> Any:
+def train_options(a: argparse.Namespace) -> TrainOptions:
     """``outrider train``'s flags -> ``TrainOptions`` (``outrider.train.options``), checked once."""
     from outrider.train.options import TrainOptions
 

@@ -142,7 +142,8 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
     target, data = env[kind]
     cache = _capture(env, kind, "float32")
     root = env["root"]
-    online = train(TrainOptions(target, data, str(root / f"online-{kind}"), config=CFG.replace(aux_layer_ids=AUX), progress=False))
+    online = train(TrainOptions(target, data, str(root / f"online-{kind}"), config=CFG.replace(aux_layer_ids=AUX),
+                                progress=False))
 
     def refuse(*a, **k):
         raise AssertionError("training from a cache built the target")
@@ -238,7 +239,8 @@ def test_two_processes_split_a_cache_and_match_one(env, tmp_path):
            "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    train(TrainOptions(target, None, str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False, cache=cache))
+    train(TrainOptions(target, None, str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False,
+                       cache=cache))
     assert np.allclose(_losses(tmp_path / "one"), _losses(tmp_path / "two"), rtol=1e-5)
 
 
@@ -421,6 +423,7 @@ def test_default_model_cache_training_equals_online_training(tmp_path, monkeypat
         raise AssertionError("training from a cache built the target")
 
     monkeypatch.setattr("outrider.models.load_model", refuse)
-    cached = train(TrainOptions("default", None, str(tmp_path / "cached"), config=cfg, progress=False, cache=str(tmp_path / "cache")))
+    cached = train(TrainOptions("default", None, str(tmp_path / "cached"), config=cfg, progress=False,
+                                cache=str(tmp_path / "cache")))
     assert np.allclose(_losses(tmp_path / "online"), _losses(tmp_path / "cached"), rtol=1e-5, atol=0)
     assert cached.final_eval["loss"] == pytest.approx(online.final_eval["loss"], rel=1e-5)

@@ -225,7 +225,8 @@ def test_killed_rank_resumes_with_another_n_and_trains_as_one_process(world, tmp
                       draft_vocab_size=40, eval_every=3, save_every=3, eval_examples=4, log_every=1)
     runs = {}
     for name, cache in (("one", one), ("n", out)):
-        train(TrainOptions(str(world["llama"]), None, str(tmp_path / f"run-{name}"), config=cfg, progress=False, cache=str(cache)))
+        train(TrainOptions(str(world["llama"]), None, str(tmp_path / f"run-{name}"), config=cfg, progress=False,
+                           cache=str(cache)))
         lines = (tmp_path / f"run-{name}" / "metrics.jsonl").read_text().splitlines()
         runs[name] = [r["loss"] for r in map(json.loads, lines) if r["type"] == "train"]
     assert len(runs["one"]) == 3 and np.array_equal(runs["one"], runs["n"])

@@ -53,7 +53,8 @@ def test_gloo_two_processes_match_one_process(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("trained 4/4 steps on cpu x2 (global batch 8") == 1  # rank 0 alone prints
 
-    one = train(TrainOptions(str(target), str(data), str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False))
+    one = train(TrainOptions(str(target), str(data), str(tmp_path / "one"), config=base.replace(batch_size=4),
+                             progress=False))
     assert one.global_batch == 8
 
     a = load_file(str(tmp_path / "one" / "last" / "head" / "model.safetensors"))
