@@ -109,7 +109,7 @@ def test_training_and_regeneration_with_offload_match(tiny_dir, tmp_path):
                       aux_layer_ids=(1, 2, 3))
     ref = train(TrainOptions(target, str(data), str(tmp_path / "plain"), config=cfg, progress=False, device="cpu"))
     got = train(TrainOptions(target, str(data), str(tmp_path / "placed"), config=cfg, progress=False, device="cpu",
-                device_map=mapping, offload_folder=str(tmp_path / "off2")))
+                             device_map=mapping, offload_folder=str(tmp_path / "off2")))
     lines = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
              for d in ("plain", "placed")]
     losses = [[r["loss"] for r in run if r["type"] == "train"] for run in lines]

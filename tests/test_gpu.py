@@ -172,7 +172,7 @@ def cuda_training(tmp_path_factory):
     def run(name: str, **flags):
         if name not in done:
             report = train(TrainOptions(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
-                           device="cuda", progress=False))
+                                        device="cuda", progress=False))
             losses = [json.loads(x)["loss"] for x in (tmp / name / "metrics.jsonl").read_text().splitlines()
                       if json.loads(x)["type"] == "train"]
             done[name] = report, losses

@@ -72,7 +72,8 @@ def test_killed_streamed_capture_resumes_bit_identical(env, tmp_path):
                   max_tokens_per_shard=300, progress=False,
                   source=StreamedTarget(env["target"], (1, 2, 3), device="cpu", tokens_per_pass=200))
     out = tmp_path / "killed"
-    code = ("import sys, time; from outrider.train.states import cache; from outrider.train.states.cache_capture import capture_cache\n"
+    code = ("import sys, time; from outrider.train.states import cache\n"
+            "from outrider.train.states.cache_capture import capture_cache\n"
             "from outrider.train.states.stream import StreamedTarget\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.5)\n"
@@ -105,10 +106,10 @@ def test_streamed_training_equals_training_from_the_cache_of_its_passes(env, tmp
     capture_cache(env["target"], env["data"], str(cache), dtype="float32", aux_layer_ids=(1, 2, 3),
                   max_tokens_per_shard=300, progress=False,
                   source=StreamedTarget(env["target"], (1, 2, 3), device="cpu", **ONE))
-    from_cache = train(TrainOptions(env["target"], None, str(tmp_path / "c"), config=CFG, progress=False, cache=str(cache),
-                       device="cpu"))
-    streamed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "s"), config=CFG, progress=False, device="cpu",
-                     stream=StreamOptions(**ONE)))
+    from_cache = train(TrainOptions(env["target"], None, str(tmp_path / "c"), config=CFG, progress=False,
+                                    cache=str(cache), device="cpu"))
+    streamed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "s"), config=CFG, progress=False,
+                                  device="cpu", stream=StreamOptions(**ONE)))
     assert len(_losses(tmp_path / "s")) == CFG.steps
     assert _losses(tmp_path / "s") == _losses(tmp_path / "c")
     assert _losses(tmp_path / "s", "eval") == _losses(tmp_path / "c", "eval")
@@ -117,12 +118,12 @@ def test_streamed_training_equals_training_from_the_cache_of_its_passes(env, tmp
 
 def test_streamed_training_resumes_bit_identical(env, tmp_path):
     options = {"tokens_per_pass": 120}  # passes of several batches, chunks of several examples
-    straight = train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=CFG, progress=False, device="cpu",
-                     stream=StreamOptions(**options)))
-    train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=CFG, progress=False, device="cpu", stream=StreamOptions(**options),
-          max_steps=3))
-    resumed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False, device="cpu",
-                    stream=StreamOptions(**options)))
+    straight = train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=CFG, progress=False,
+                                  device="cpu", stream=StreamOptions(**options)))
+    train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=CFG, progress=False, device="cpu",
+                       stream=StreamOptions(**options), max_steps=3))
+    resumed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False,
+                                 device="cpu", stream=StreamOptions(**options)))
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
     assert resumed.best_sim_tau == straight.best_sim_tau
 

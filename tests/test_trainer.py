@@ -302,12 +302,12 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
 def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, straight, tmp_path):
     ref, _ = straight
     report = train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
-                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
+                                config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     assert report.steps == 2 and not any("draft vocabulary" in n for n in report.notes)
     first = _train_records(tmp_path / "ft")[0]
     assert first["loss"] < _train_records(ref)[0]["loss"]  # it started from the trained head
     other = train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"),
-                  config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
+                               config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     note = next(n for n in other.notes if "kept the --init head's draft vocabulary" in n)
     mine = DraftVocab.load(ref / "last")
     theirs = DraftVocab.load(tmp_path / "ft2" / "last")
@@ -423,7 +423,7 @@ def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path)
     assert hcfg.attention == "mla" and hcfg.norm_output and head.fc_norm is not None
     # a fine-tune keeps the --init head's attention whatever the config asks
     report = train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft"), init=str(tmp_path / "mla/head"),
-                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
+                                config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     assert report.steps == 2 and load_head(tmp_path / "ft/head")[1].attention == "mla"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
