@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from outrider.config import TrainConfig
-from outrider.train.cache import dequantize, quantize, teacher_rows, topk_teacher
-from outrider.train.cache_capture import capture_cache
-from outrider.train.datasets import load_dataset, read_manifest, write_dataset
-from outrider.train.trainer import train
+from outrider.train.data.datasets import load_dataset, read_manifest, write_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
+from outrider.train.states.cache import dequantize, quantize, teacher_rows, topk_teacher
+from outrider.train.states.cache_capture import capture_cache
 
 
 def _subset(data: str, out: Path, examples: int, eval_examples: int) -> str:
@@ -57,8 +58,8 @@ def _subset(data: str, out: Path, examples: int, eval_examples: int) -> str:
 @torch.no_grad()
 def quant_part(data: str, n: int, blocks: list[int], device: str, topks: list[int] = ()) -> dict:
     from outrider.models import load_model
-    from outrider.train.capture import ModelSource
-    from outrider.train.vocab import build_draft_vocab
+    from outrider.train.data.vocab import build_draft_vocab
+    from outrider.train.states.capture import ModelSource
 
     model, _ = load_model("default", device=device, dtype="bfloat16" if device == "cuda" else "float32",
                           with_tokenizer=False)
@@ -153,8 +154,8 @@ def train_part(data: str, work: Path, cfg: TrainConfig, device: str, variants: l
             shutil.rmtree(run)
         cache = None if name == "online" else str(work / f"cache-{name}")
         t = time.perf_counter()
-        r = train("default", data if cache is None else None, str(run), config=cfg, device=device, progress=False,
-                  cache=cache)
+        r = train(TrainOptions("default", data if cache is None else None, str(run), config=cfg, device=device,
+                               progress=False, cache=cache))
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [x for x in rows if x["type"] == "train"]
         steady = steps[len(steps) // 4:] or steps

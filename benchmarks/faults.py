@@ -62,7 +62,7 @@ def importable(name):
         return False
 n = max(i for i in range(1, len(parts)) if importable(".".join(parts[:i])))
 owner = importlib.import_module(".".join(parts[:n]))
-for name in parts[n:-1]:  # an attribute path below the module: outrider.train.checkpoint.torch.save
+for name in parts[n:-1]:  # an attribute path below the module: outrider.train.loop.checkpoint.torch.save
     owner = getattr(owner, name)
 code = getattr(errno, how.split(":")[-1])
 def fail(*args, **kwargs):
@@ -109,7 +109,7 @@ CASES = [
     Case("data", "--out a training run", ["data", "{target}", "--dataset", "{convs}", "--out", "{run}"]),
     Case("data", "--out name too long", ["data", "{target}", "--dataset", "{convs}", "--out", "{tmp}/" + "n" * 300]),
     Case("data", "disk full while writing shards", ["data", "{target}", "--dataset", "{convs}", "--out", "{out}"],
-         inject=("outrider.train.datasets._write_split", "ENOSPC"), start_from="data"),
+         inject=("outrider.train.data.datasets._write_split", "ENOSPC"), start_from="data"),
     Case("data", "read-only output", ["data", "{target}", "--dataset", "{convs}", "--out", "{out}"],
          inject=("outrider.outputs._lock", "EROFS"), start_from="data"),
     Case("data", "real read-only mount", ["data", "{target}", "--dataset", "{convs}", "--out", "{ro}/data"],
@@ -141,7 +141,7 @@ CASES = [
                                                       "--config", "{cfg}"]),
     Case("train", "disk full at a checkpoint", ["train", "{target}", "--data", "{data}", "--out", "{out}",
                                                 "--config", "{cfg}", "--quiet"],
-         inject=("outrider.train.checkpoint.torch.save", "torch:ENOSPC")),
+         inject=("outrider.train.loop.checkpoint.torch.save", "torch:ENOSPC")),
     Case("train", "a second writer", ["train", "{target}", "--data", "{data}", "--out", "{out}", "--resume"],
          holder="run", start_from="run"),
     Case("train", "SIGKILL, then --resume", ["train", "{target}", "--data", "{data}", "--out", "{out}", "--config",
@@ -173,7 +173,7 @@ CASES = [
     Case("capture", "--out a training run", ["capture", "{target}", "--data", "{data}", "--out", "{run}", "--force"]),
     Case("capture", "--out the target", ["capture", "{target}", "--data", "{data}", "--out", "{target}"]),
     Case("capture", "disk full mid-shard", ["capture", "{target}", "--data", "{data}", "--out", "{out}", "--quiet"],
-         inject=("outrider.train.cache._write_file", "ENOSPC")),
+         inject=("outrider.train.states.cache._write_file", "ENOSPC")),
     Case("capture", "a second writer", ["capture", "{target}", "--data", "{data}", "--out", "{out}"], holder="cache"),
     Case("capture", "SIGKILL, then the same command", ["capture", "{target}", "--data", "{data}", "--out", "{out}",
                                                        "--dtype", "float32", "--aux-layers", "1,2,3",

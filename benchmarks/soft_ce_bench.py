@@ -19,8 +19,8 @@ import torch
 from cuda_timing import median_ms  # benchmarks/cuda_timing.py, next to this script
 
 from outrider.fsutil import atomic_write_json
-from outrider.train import soft_ce
-from outrider.train.ttt import fused_soft_cross_entropy, soft_cross_entropy
+from outrider.train.loop import soft_ce
+from outrider.train.loop.ttt import fused_soft_cross_entropy, soft_cross_entropy
 
 
 def main() -> None:

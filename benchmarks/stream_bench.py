@@ -15,7 +15,7 @@
 2. Measures the link: pinned host-to-device copies of 1 GiB (the peak the streamer can reach).
 3. Measures compute: a bf16 GEMM 8192^3, and the routed experts of one layer (transformers'
    ``DeepseekV3Experts``, its default grouped_mm) on ``--expert-tokens`` tokens routed uniformly.
-4. Streams the checkpoint (``outrider.train.stream.StreamedTarget``, ``--gpu-memory`` GB, well
+4. Streams the checkpoint (``outrider.train.states.stream.StreamedTarget``, ``--gpu-memory`` GB, well
    below its dequantized size) over ``--passes`` passes of ``--tokens-per-pass`` tokens (random
    ids, lengths uniform in [256, 2048]) after one warm-up pass, and reports per pass: tokens/s,
    checkpoint GB/s read into pinned buffers and copied to the device, the share of that loading
@@ -273,7 +273,7 @@ def gemm_rate(device: torch.device, n: int = 8192) -> float:
 def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
     """Routed experts of one layer (the streamed skeleton's own ``DeepseekV3Experts``, its default
     implementation) on ``tokens`` uniformly routed tokens."""
-    from outrider.train.stream import build_skeleton, text_config
+    from outrider.train.states.stream import build_skeleton, text_config
 
     config, _ = text_config(folder)
     experts = build_skeleton(config, torch.bfloat16).model.layers[config.first_k_dense_replace].mlp.experts
@@ -320,7 +320,7 @@ def random_examples(n_tokens: int, vocab: int, lo: int, hi: int, seed: int) -> l
 
 
 def stream_run(folder: Path, a: argparse.Namespace, device: torch.device, vocab: int, aux: tuple) -> dict:
-    from outrider.train.stream import StreamedTarget
+    from outrider.train.states.stream import StreamedTarget
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -386,7 +386,7 @@ def predict_kimi(c: dict, run: dict, tokens_per_pass: int, moe_bytes: int, dense
 
 def default_compare(spec: str, a: argparse.Namespace, device: torch.device) -> dict:
     from outrider.models import load_model, resolve
-    from outrider.train.stream import StreamedTarget
+    from outrider.train.states.stream import StreamedTarget
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = load_model(spec, device=device, dtype=dtype, with_tokenizer=False)

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from outrider.errors import UserError
-from outrider.train.metrics import summarise_log
+from outrider.train.loop.metrics import summarise_log
 
 
 def _print(s: dict) -> None:

@@ -37,9 +37,9 @@ from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
-from outrider.train.capture import capture
-from outrider.train.datasets import load_dataset
-from outrider.train.ttt import simulated_accept_len, ttt_loss, walked_accept_len
+from outrider.train.states.capture import capture
+from outrider.train.data.datasets import load_dataset
+from outrider.train.loop.ttt import simulated_accept_len, ttt_loss, walked_accept_len
 
 
 def parse_ks(text: str) -> list[int]:

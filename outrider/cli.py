@@ -35,13 +35,15 @@ from outrider.cliargs import (
     names_of,
     output_of,
     stderr_line,
+    stream_options,
+    train_options,
     user_os_error,
 )
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.interop.formats import FORMATS
 from outrider.signals import Interrupted, Signals
-from outrider.train.resume import NAMES as RESUME_NAMES
+from outrider.train.loop.resume import NAMES as RESUME_NAMES
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
 
@@ -126,7 +128,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_data(a: argparse.Namespace) -> int:
     from outrider.outputs import claim_dir
-    from outrider.train.prepare import build_dataset
+    from outrider.train.data.prepare import build_dataset
 
     with claim_dir(a.out, "dataset", inputs=[a.dataset, a.target, a.offload_folder]) as claim:
         report = build_dataset(a.target, a.dataset, str(claim.path), max_conversations=a.max_conversations,
@@ -141,20 +143,17 @@ def cmd_data(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from outrider.outputs import claim_dir
-    from outrider.train.trainer import train_from_cli
+    from outrider.train.loop.trainer import train
 
-    if a.force and a.resume:
-        raise UserError("--resume continues the run in --out and --force replaces it: give only one")
-    if a.allow_change and not a.resume:
-        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
-    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
+    options = train_options(a)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes, and holds the lock
     with claim_dir(a.out, "run", inputs=[a.data, a.cache, a.target, a.init, a.config, a.offload_folder],
                    lock=rank0) as claim:
         if a.force and claim.existing and rank0:
             claim.clear()
-        train_from_cli(a)
+        report = train(options, signals=getattr(a, "signals", None))
+    if report.rank == 0:
+        print(report.summary())
     return 0
 
 
@@ -162,10 +161,10 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
     from outrider.outputs import claim_dir
-    from outrider.train import dist
-    from outrider.train.cache_capture import capture_cache
-    from outrider.train.capture_ranks import Ranks
-    from outrider.train.stream import streamed_source
+    from outrider.train.loop import dist
+    from outrider.train.states.cache_capture import capture_cache
+    from outrider.train.states.capture_ranks import Ranks
+    from outrider.train.states.stream import streamed_source
 
     # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
     env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
@@ -179,7 +178,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
                                                       lock=ranks.lead))
                 if a.force and claim.existing and ranks.lead:
                     claim.clear()
-                source = streamed_source(a.target, a.aux_layers, argparse.Namespace(**{**vars(a), "device": device}))
+                source = streamed_source(a.target, a.aux_layers, stream_options(a), device)
             except UserError as e:
                 error = e
             ranks.settle(error)

@@ -4,7 +4,9 @@ Contract: every numeric flag is parsed by a type from here that states its range
 ``FloatRange``, ``int_list``), so a value out of range is refused at parse time with one line
 saying the range; ``device`` refuses a device this machine does not have. ``check_args`` runs the
 checks that join several flags or look at an input's kind (k within max-new-tokens, a draft of
-the kind the method needs) before the verb starts. ``OneLineParser`` prints an argument error as
+the kind the method needs) before the verb starts. ``train_options`` checks ``train``'s flags once
+into a ``TrainOptions`` (``outrider.train.options``); ``stream_options`` the streaming flags that
+``train`` and ``capture`` share. ``OneLineParser`` prints an argument error as
 one line (no usage block), exit status 2. ``user_os_error`` finds the ``OSError`` a user can fix
 (permissions, a read-only or full file system, a path through a file, a folder where a file
 belongs, a name too long: ``fsutil.USER_ERRNOS``) behind an exception, for ``fsutil.os_error_line``. Nothing heavy is
@@ -20,10 +22,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.errors import UserError
 from outrider.fsutil import USER_ERRNOS, os_error_line  # noqa: F401  (os_error_line: the CLI's, kept here)
+
+if TYPE_CHECKING:
+    from outrider.train.options import StreamOptions, TrainOptions
 
 K_MAX = 64  # draft tokens per step: a verification forward of k+1 positions, k+1 cache slots a step
 
@@ -240,6 +245,38 @@ def check_args(a: argparse.Namespace) -> None:
         _check_decoding(a)  # a served run's --method names what the server runs; its --draft is optional
     elif a.verb == "plan":
         _check_plan(a)
+
+
+def stream_options(a: argparse.Namespace) -> StreamOptions | None:
+    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamOptions``, or None
+    (``train`` and ``capture`` share it)."""
+    from outrider.train.options import StreamOptions
+
+    if not a.stream_layers:
+        if a.gpu_memory is not None or a.tokens_per_pass is not None:
+            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
+        return None
+    if a.device_map is not None:
+        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
+    return StreamOptions(gpu_memory=a.gpu_memory, tokens_per_pass=a.tokens_per_pass)
+
+
+def train_options(a: argparse.Namespace) -> TrainOptions:
+    """``outrider train``'s flags -> ``TrainOptions`` (``outrider.train.options``), checked once."""
+    from outrider.train.options import TrainOptions
+
+    if a.force and a.resume:
+        raise UserError("--resume continues the run in --out and --force replaces it: give only one")
+    if a.allow_change and not a.resume:
+        raise UserError("--allow-change says what a --resume may find changed: give it with --resume")
+    if a.force and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--force under torchrun: replace the run with one process first, or choose a new --out")
+    stream = stream_options(a)
+    return TrainOptions(target=a.target, data=a.data, out=a.out, cache=a.cache, preset=a.preset, config=a.config,
+                        init=a.init, resume=a.resume, device=a.device, dtype=a.dtype, max_steps=a.max_steps,
+                        aux_layer_ids=a.aux_layers, progress=not a.quiet, device_map=a.device_map,
+                        offload_folder=a.offload_folder, stream=stream, allow_change=a.allow_change or (),
+                        report_to=a.report_to)
 
 
 def user_os_error(e: BaseException) -> OSError | None:

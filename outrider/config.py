@@ -1,7 +1,7 @@
 """Dataclass configs: settings of a stage as plain, JSON-round-trippable values.
 
 Contract:
-- ``TrainConfig`` holds every setting of an EAGLE-3 training run (``outrider.train.trainer``):
+- ``TrainConfig`` holds every setting of an EAGLE-3 training run (``outrider.train.loop.trainer``):
   the optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``, gradient
   clipping, accumulation), the batch geometry, the training-time-test unroll, the draft
   vocabulary size, evaluation and checkpoint cadence, and the seed. ``preset(name)`` returns one

@@ -30,8 +30,9 @@ from outrider.models import load_model
 from outrider.ops.seeds import derived_seed
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.planner import plan
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def demo(preset: str | None = None, out: str = "outrider-demo", console=None) ->
         config = TrainConfig.preset(preset)
         if size.train_budget_s:
             config = config.replace(time_budget_s=size.train_budget_s)
-        train("default", str(data_dir), str(train_dir), config=config, loaded_target=(model, tokenizer))
+        train(TrainOptions("default", str(data_dir), str(train_dir), config=config), loaded_target=(model, tokenizer))
     else:
         console.print(f"reusing {head_dir}")
     times["train"] = time.perf_counter() - t

@@ -17,7 +17,7 @@ Contract:
   disk offload); ``resident_weight`` reads an offloaded parameter, ``input_device`` says where
   the ids go.
 
-Not done here: quantised (INT4/FP8) loading (layer streaming, ``outrider.train.stream``, reads
+Not done here: quantised (INT4/FP8) loading (layer streaming, ``outrider.train.states.stream``, reads
 INT4 checkpoints), tensor parallelism, downloading from a hub.
 """
 

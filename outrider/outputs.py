@@ -67,7 +67,7 @@ def _format_is(path: Path, name: str) -> bool:
 
 
 LEGACY: dict[str, Callable[[Path], bool]] = {  # folders written before the marker existed (the formats
-    # are outrider.train.datasets.FORMAT and outrider.train.cache.FORMAT, not imported: they load torch)
+    # are outrider.train.data.datasets.FORMAT and outrider.train.states.cache.FORMAT, not imported: they load torch)
     "dataset": lambda d: _format_is(d / "manifest.json", "outrider-tokens"),
     "run": lambda d: (d / "train_config.json").is_file() or (d / "last" / "trainer_state.json").is_file(),
     "cache": lambda d: _format_is(d / "header.json", "outrider-hidden-cache"),

@@ -6,7 +6,7 @@ what is wrong (the first offending value, how many) and what to do; ``nonfinite`
 (for ``inspect``, which reports rather than refuses). A checksum says a file is the one that was
 written; these say that what was written is usable: a shard with a token id past the vocabulary
 would index past the embedding, a NaN weight would make every draft NaN.
-Not done here: shapes and names (``interop.checkpoint``), checksums (``train.cache``).
+Not done here: shapes and names (``interop.checkpoint``), checksums (``train.states.cache``).
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ from tiny import save_tiny
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.errors import UserError
-from outrider.train import cache as cache_mod
-from outrider.train.cache import OutriderCache, dequantize, quantize, teacher_rows
-from outrider.train.cache_capture import capture_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
+from outrider.train.states import cache as cache_mod
+from outrider.train.states.cache import OutriderCache, dequantize, quantize, teacher_rows
+from outrider.train.states.cache_capture import capture_cache
 
 CFG = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=2, eval_examples=6, log_every=1)
@@ -141,14 +142,15 @@ def test_cache_training_equals_online_training(env, kind, monkeypatch):
     target, data = env[kind]
     cache = _capture(env, kind, "float32")
     root = env["root"]
-    online = train(target, data, str(root / f"online-{kind}"), config=CFG.replace(aux_layer_ids=AUX), progress=False)
+    online = train(TrainOptions(target, data, str(root / f"online-{kind}"), config=CFG.replace(aux_layer_ids=AUX),
+                                progress=False))
 
     def refuse(*a, **k):
         raise AssertionError("training from a cache built the target")
 
     monkeypatch.setattr("outrider.models.load_model", refuse)
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
-    cached = train(target, None, str(root / f"cached-{kind}"), config=CFG, progress=False, cache=cache)
+    cached = train(TrainOptions(target, None, str(root / f"cached-{kind}"), config=CFG, progress=False, cache=cache))
     a, b = _losses(root / f"online-{kind}"), _losses(root / f"cached-{kind}")
     assert len(a) == len(b) == CFG.steps
     assert np.allclose(a, b, rtol=1e-5, atol=0), (a, b)
@@ -192,9 +194,9 @@ def test_a_topk_cache_is_smaller_and_with_the_whole_vocabulary_trains_as_online(
     assert json.loads((Path(whole) / "header.json").read_text())["teacher"]["kind"] == "topk"
     online = root / "online-llama"
     if not (online / "metrics.jsonl").exists():
-        train(target, data, str(online), config=CFG.replace(aux_layer_ids=AUX), progress=False)
+        train(TrainOptions(target, data, str(online), config=CFG.replace(aux_layer_ids=AUX), progress=False))
     monkeypatch.setattr("outrider.models.load_model", lambda *a, **k: pytest.fail("built the target"))
-    train(target, None, str(root / "cached-topk-all"), config=CFG, progress=False, cache=whole)
+    train(TrainOptions(target, None, str(root / "cached-topk-all"), config=CFG, progress=False, cache=whole))
     assert np.allclose(_losses(online), _losses(root / "cached-topk-all"), rtol=1e-5, atol=0)
     small = _capture(env, "llama", "fp8", name="c-topk-8", teacher_topk=8)
     full = _capture(env, "llama", "fp8")
@@ -203,7 +205,7 @@ def test_a_topk_cache_is_smaller_and_with_the_whole_vocabulary_trains_as_online(
     # fp8 final states: H + 4 bytes a teacher row; top-8: 8 x (4 + 2) + 4 (the files' headers aside)
     saved = sizes[1]["bytes"] - sizes[0]["bytes"]
     assert abs(saved - rows * ((64 + 4) - (6 * 8 + 4))) < 1024 * len(sizes[0]["shards"])
-    report = train(target, None, str(root / "cached-topk-8"), config=CFG, progress=False, cache=small)
+    report = train(TrainOptions(target, None, str(root / "cached-topk-8"), config=CFG, progress=False, cache=small))
     assert report.steps == CFG.steps and all(np.isfinite(_losses(root / "cached-topk-8")))
 
 
@@ -211,15 +213,16 @@ def test_killed_cache_training_resumes_bit_identical(env, tmp_path):
     target, _ = env["llama"]
     cache = _capture(env, "llama", "fp8")
     cfg = CFG.replace(steps=6, save_every=1, eval_every=6)
-    ref = train(target, None, str(tmp_path / "ref"), config=cfg, progress=False, cache=cache)
+    ref = train(TrainOptions(target, None, str(tmp_path / "ref"), config=cfg, progress=False, cache=cache))
     out = tmp_path / "killed"
-    code = ("import sys; from outrider.train.trainer import train; from outrider.config import TrainConfig; "
-            "train(sys.argv[1], None, sys.argv[2], config=TrainConfig.load(sys.argv[3]), progress=False, "
-            "cache=sys.argv[4])")
+    code = ("import sys; from outrider.train.loop.trainer import train; from outrider.config import TrainConfig; "
+            "from outrider.train.options import TrainOptions; "
+            "train(TrainOptions(sys.argv[1], None, sys.argv[2], config=TrainConfig.load(sys.argv[3]), progress=False, "
+            "cache=sys.argv[4]))")
     cfg_path = cfg.save(tmp_path / "cfg.json")
     killed_at = kill_training_after(code, [target, str(out), str(cfg_path), cache], out)
     assert 2 <= killed_at < cfg.steps
-    report = train(target, None, str(out), resume=True, progress=False, cache=cache)
+    report = train(TrainOptions(target, None, str(out), resume=True, progress=False, cache=cache))
     assert report.resumed_from == killed_at and report.steps == ref.steps
     a = load_file(str(tmp_path / "ref" / "last" / "head" / "model.safetensors"))
     b = load_file(str(out / "last" / "head" / "model.safetensors"))
@@ -236,7 +239,8 @@ def test_two_processes_split_a_cache_and_match_one(env, tmp_path):
            "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    train(target, None, str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False, cache=cache)
+    train(TrainOptions(target, None, str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False,
+                       cache=cache))
     assert np.allclose(_losses(tmp_path / "one"), _losses(tmp_path / "two"), rtol=1e-5)
 
 
@@ -248,8 +252,8 @@ def test_killed_capture_resumes_without_rewriting_finished_shards(env, tmp_path)
     target, data = env["llama"]
     straight = Path(_capture(env, "llama", "float32"))
     out = tmp_path / "killed"
-    code = ("import sys, time\nfrom outrider.train import cache\n"
-            "from outrider.train.cache_capture import capture_cache\n"
+    code = ("import sys, time\nfrom outrider.train.states import cache\n"
+            "from outrider.train.states.cache_capture import capture_cache\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.3)\n"
             "cache._write_file = slow\n"
@@ -340,7 +344,7 @@ def test_capture_refusals_are_one_line(env, tmp_path, capsys):
 
 
 def test_data_without_loss_tokens_is_refused(env, tmp_path):
-    from outrider.train.datasets import read_manifest, write_dataset
+    from outrider.train.data.datasets import read_manifest, write_dataset
 
     target, data = env["llama"]
     manifest = read_manifest(data)
@@ -410,7 +414,7 @@ def test_default_model_cache_training_equals_online_training(tmp_path, monkeypat
                   progress=False)
     cfg = TrainConfig.preset("quick").replace(steps=2, warmup_steps=1, batch_size=2, max_length=96, eval_every=2,
                                               save_every=2, eval_examples=2, draft_vocab_size=512)
-    online = train("default", str(data), str(tmp_path / "online"), config=cfg, progress=False)
+    online = train(TrainOptions("default", str(data), str(tmp_path / "online"), config=cfg, progress=False))
     report = capture_cache("default", str(data), str(tmp_path / "cache"), dtype="float32", device="cpu",
                            progress=False)
     assert report.bytes_per_token < 8 * 576 * 4  # float32: the final state at teacher rows only
@@ -419,6 +423,7 @@ def test_default_model_cache_training_equals_online_training(tmp_path, monkeypat
         raise AssertionError("training from a cache built the target")
 
     monkeypatch.setattr("outrider.models.load_model", refuse)
-    cached = train("default", None, str(tmp_path / "cached"), config=cfg, progress=False, cache=str(tmp_path / "cache"))
+    cached = train(TrainOptions("default", None, str(tmp_path / "cached"), config=cfg, progress=False,
+                                cache=str(tmp_path / "cache")))
     assert np.allclose(_losses(tmp_path / "online"), _losses(tmp_path / "cached"), rtol=1e-5, atol=0)
     assert cached.final_eval["loss"] == pytest.approx(online.final_eval["loss"], rel=1e-5)

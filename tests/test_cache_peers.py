@@ -20,12 +20,13 @@ from tiny import save_tiny
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.models import load_model
-from outrider.train.cache_capture import capture_cache
-from outrider.train.datasets import load_dataset
-from outrider.train.features import open_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.target_weights import TargetWeights
-from outrider.train.trainer import train
+from outrider.train.data.datasets import load_dataset
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.states.features import open_cache
+from outrider.train.states.target_weights import TargetWeights
 
 AUX = (1, 2, 3)
 # batches by count in a seeded order: the plan does not depend on lengths (SpecForge's are padded)
@@ -86,7 +87,7 @@ def _ours(env, name: str, states: dict) -> str:
 
 def _train_losses(env, cache: str, name: str) -> list[float]:
     out = env["root"] / name
-    train(env["target"], None, str(out), config=CFG, progress=False, cache=cache)
+    train(TrainOptions(env["target"], None, str(out), config=CFG, progress=False, cache=cache))
     records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     return [r["loss"] for r in records if r["type"] == "train"]
 

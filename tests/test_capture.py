@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import make_tiny
 
-from outrider.train.capture import TargetCapture, capture
+from outrider.train.states.capture import TargetCapture, capture
 
 AUX = (0, 2, 4)  # 0 = the embeddings, 4 = the input of the last of 5 layers
 DRAFT_IDS = torch.tensor([3, 5, 8, 17, 40, 41, 77, 90, 95])
@@ -97,7 +97,7 @@ class _Rerun:
 def test_graph_bookkeeping_per_shape_with_buffers_shared_across_shapes(target, monkeypatch):
     """The graphed path's inputs, outputs and per-shape entries, with the capture replaced by a
     re-run of the same body (the CUDA capture itself is tested on the GPU)."""
-    import outrider.train.capture as capture_mod
+    import outrider.train.states.capture as capture_mod
 
     captured = []
 
@@ -127,7 +127,7 @@ def test_graph_bookkeeping_per_shape_with_buffers_shared_across_shapes(target, m
 
 
 def test_a_failed_graph_capture_falls_back_to_eager_with_a_note(target, monkeypatch):
-    import outrider.train.capture as capture_mod
+    import outrider.train.states.capture as capture_mod
 
     def failing(fn, device, warmups, pool=None, after_each=None):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -146,7 +146,7 @@ def test_a_failed_graph_capture_falls_back_to_eager_with_a_note(target, monkeypa
 def test_only_dense_full_attention_targets_are_graphed():
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from outrider.train.capture import graphable
+    from outrider.train.states.capture import graphable
 
     assert graphable(make_tiny("llama")) and not graphable(make_tiny("deepseek_v3"))  # MoE: routed by data
     windowed = AutoModelForCausalLM.from_config(MistralConfig(

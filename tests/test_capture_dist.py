@@ -22,9 +22,10 @@ from tiny import save_tiny
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.outputs import claim_dir
-from outrider.train.capture_ranks import assign, rank_placement
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
+from outrider.train.states.capture_ranks import assign, rank_placement
 
 SHARD = "200"  # tokens per shard: 8 shards of the 30 examples below
 CAPTURE = ["--dtype", "float32", "--aux-layers", "1,2,3", "--max-tokens-per-shard", SHARD, "--device", "cpu",
@@ -189,7 +190,7 @@ def test_n_ranks_write_the_single_process_cache(world, tmp_path, kind, n, how):
 
 
 KILLABLE = """import os, sys, time
-from outrider.train import cache
+from outrider.train.states import cache
 write = cache._write_file
 def slow(path, data):
     write(path, data)
@@ -224,14 +225,15 @@ def test_killed_rank_resumes_with_another_n_and_trains_as_one_process(world, tmp
                       draft_vocab_size=40, eval_every=3, save_every=3, eval_examples=4, log_every=1)
     runs = {}
     for name, cache in (("one", one), ("n", out)):
-        train(str(world["llama"]), None, str(tmp_path / f"run-{name}"), config=cfg, progress=False, cache=str(cache))
+        train(TrainOptions(str(world["llama"]), None, str(tmp_path / f"run-{name}"), config=cfg, progress=False,
+                           cache=str(cache)))
         lines = (tmp_path / f"run-{name}" / "metrics.jsonl").read_text().splitlines()
         runs[name] = [r["loss"] for r in map(json.loads, lines) if r["type"] == "train"]
     assert len(runs["one"]) == 3 and np.array_equal(runs["one"], runs["n"])
 
 
 FAILING = """import errno, os, sys
-from outrider.train import cache
+from outrider.train.states import cache
 write = cache._write_file
 def full(path, data):
     if os.environ["RANK"] == "1" and int(path.name.split(".")[1].split("-")[1]) >= 2:

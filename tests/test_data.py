@@ -12,17 +12,17 @@ from tiny import CHAT_TEMPLATE, make_tiny, save_tiny, tiny_config, tiny_tokenize
 
 from outrider import assets, sharegpt
 from outrider.errors import UserError
-from outrider.train.conversations import Dropped, normalise_record
-from outrider.train.datasets import (
+from outrider.train.data.conversations import Dropped, normalise_record
+from outrider.train.data.datasets import (
     TokenDataset,
     load_dataset,
     merge_datasets,
     read_manifest,
     subset_dataset,
 )
-from outrider.train.prepare import build_dataset
-from outrider.train.regenerate import cache_path_for, hf_generate_fn
-from outrider.train.template import end_token_ids, tokenize_conversation
+from outrider.train.data.prepare import build_dataset
+from outrider.train.data.regenerate import cache_path_for, hf_generate_fn
+from outrider.train.data.template import end_token_ids, tokenize_conversation
 
 SYS, U1, A1, U2, A2 = "w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13"
 

@@ -17,7 +17,7 @@ from outrider.models import (
     load_model,
     parse_device_map,
 )
-from outrider.train.capture import TargetCapture
+from outrider.train.states.capture import TargetCapture
 
 
 def offload_map(config, disk_every: int = 2) -> dict[str, str]:
@@ -87,9 +87,10 @@ def _conversations(path, n=24, seed=0):
 
 def test_training_and_regeneration_with_offload_match(tiny_dir, tmp_path):
     from outrider.config import TrainConfig
-    from outrider.train.datasets import load_dataset
-    from outrider.train.prepare import build_dataset
-    from outrider.train.trainer import train
+    from outrider.train.data.datasets import load_dataset
+    from outrider.train.data.prepare import build_dataset
+    from outrider.train.loop.trainer import train
+    from outrider.train.options import TrainOptions
 
     target = str(tiny_dir("llama"))
     mapping = json.dumps(offload_map(load_model(target, device="cpu", with_tokenizer=False)[0].config))
@@ -106,9 +107,9 @@ def test_training_and_regeneration_with_offload_match(tiny_dir, tmp_path):
     cfg = TrainConfig(steps=4, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=2,
                       draft_vocab_size=40, eval_every=2, save_every=4, eval_examples=4, log_every=1,
                       aux_layer_ids=(1, 2, 3))
-    ref = train(target, str(data), str(tmp_path / "plain"), config=cfg, progress=False, device="cpu")
-    got = train(target, str(data), str(tmp_path / "placed"), config=cfg, progress=False, device="cpu",
-                device_map=mapping, offload_folder=str(tmp_path / "off2"))
+    ref = train(TrainOptions(target, str(data), str(tmp_path / "plain"), config=cfg, progress=False, device="cpu"))
+    got = train(TrainOptions(target, str(data), str(tmp_path / "placed"), config=cfg, progress=False, device="cpu",
+                             device_map=mapping, offload_folder=str(tmp_path / "off2")))
     lines = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
              for d in ("plain", "placed")]
     losses = [[r["loss"] for r in run if r["type"] == "train"] for run in lines]

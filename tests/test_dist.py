@@ -14,9 +14,10 @@ from tiny import save_tiny
 
 from outrider.config import TrainConfig
 from outrider.errors import UserError
-from outrider.train import dist
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop import dist
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
 
 
 def test_single_process_env_without_torchrun(monkeypatch):
@@ -52,7 +53,8 @@ def test_gloo_two_processes_match_one_process(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("trained 4/4 steps on cpu x2 (global batch 8") == 1  # rank 0 alone prints
 
-    one = train(str(target), str(data), str(tmp_path / "one"), config=base.replace(batch_size=4), progress=False)
+    one = train(TrainOptions(str(target), str(data), str(tmp_path / "one"), config=base.replace(batch_size=4),
+                             progress=False))
     assert one.global_batch == 8
 
     a = load_file(str(tmp_path / "one" / "last" / "head" / "model.safetensors"))

@@ -16,7 +16,7 @@ from outrider.decode.proposers.eagle3 import (
 from outrider.decode.sampling import SamplingParams
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
-from outrider.train.ttt import ttt_loss
+from outrider.train.loop.ttt import ttt_loss
 
 MAX_NEW = 20
 

@@ -17,7 +17,7 @@ from outrider.interop.checkpoint import head_spec_from_config, load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.interop.formats.export import export, save_head
 from outrider.models import load_config_dict
-from outrider.train.ttt import StepKV, ttt_block_mask, ttt_step_mask
+from outrider.train.loop.ttt import StepKV, ttt_block_mask, ttt_step_mask
 
 LAYERS = 8  # default aux ids (2, 4, 5)
 

@@ -262,14 +262,14 @@ def _erofs(path: str):
 
 
 FULL = [  # (what to break, argv, its earlier output in the world, a fragment of the line)
-    ("outrider.train.datasets._write_split", _enospc,
+    ("outrider.train.data.datasets._write_split", _enospc,
      ["data", "{target}", "--dataset", "{convs}", "--out", "{out}", "--quiet"], "data", "no space left"),
     ("safetensors.torch.save_file", _enospc,
      ["export", "{run}/head", "--format", "vllm", "--out", "{out}"], "export", "no space left"),
-    ("outrider.train.checkpoint.torch.save", _torch_save_on_a_full_disk,
+    ("outrider.train.loop.checkpoint.torch.save", _torch_save_on_a_full_disk,
      ["train", "{target}", "--data", "{data}", "--out", "{out}", "--config", "{cfg}", "--quiet", "--force"], "run",
      "no space left"),
-    ("outrider.train.cache._write_file", _enospc,
+    ("outrider.train.states.cache._write_file", _enospc,
      ["capture", "{target}", "--data", "{data}", "--out", "{out}", "--dtype", "bf16", "--aux-layers", "1,2,3",
       "--quiet", "--force"], "cache", "the disk is full"),
     ("outrider.outputs._lock", "erofs", ["export", "{run}/head", "--format", "vllm", "--out", "{out}"], "export",

@@ -352,7 +352,7 @@ def test_turns_a_server_refuses_are_counted_told_and_asked_again(tmp_path, capsy
     from test_openai_client import REJECT_WORD, TinyServer, conversations
     from tiny import make_tiny, tiny_tokenizer
 
-    from outrider.train.datasets import read_manifest
+    from outrider.train.data.datasets import read_manifest
 
     target = str(save_tiny("llama", tmp_path / "target", seed=0))
     records = conversations(6)

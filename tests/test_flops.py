@@ -8,7 +8,7 @@ from tiny import make_tiny
 from torch.utils.flop_counter import FlopCounterMode
 
 from outrider.heads.eagle3 import Eagle3Config
-from outrider.train import flops
+from outrider.train.loop import flops
 
 
 def test_causal_pairs():

@@ -115,8 +115,8 @@ def test_prompt_draft_graph_drafts_what_the_eager_chain_drafts(cuda_models, monk
 @pytest.mark.parametrize("kernel", ["compile", "triton"])
 @pytest.mark.parametrize("vocab", [1000, 10000])  # one block of the Triton kernel, and several
 def test_fused_soft_cross_entropy_equals_eager(kernel, vocab):
-    from outrider.train import soft_ce
-    from outrider.train.ttt import loss_function, soft_cross_entropy
+    from outrider.train.loop import soft_ce
+    from outrider.train.loop.ttt import loss_function, soft_cross_entropy
 
     if kernel == "triton" and not soft_ce.available():
         pytest.skip("triton is not installed")
@@ -158,8 +158,9 @@ def cuda_training(tmp_path_factory):
     from test_trainer import CFG, _conversations
     from tiny import save_tiny
 
-    from outrider.train.prepare import build_dataset
-    from outrider.train.trainer import train
+    from outrider.train.data.prepare import build_dataset
+    from outrider.train.loop.trainer import train
+    from outrider.train.options import TrainOptions
 
     tmp = tmp_path_factory.mktemp("cuda-train")
     target = save_tiny("llama", tmp / "tiny")
@@ -170,8 +171,8 @@ def cuda_training(tmp_path_factory):
 
     def run(name: str, **flags):
         if name not in done:
-            report = train(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
-                           device="cuda", progress=False)
+            report = train(TrainOptions(str(target), str(tmp / "data"), str(tmp / name), config=base.replace(**flags),
+                                        device="cuda", progress=False))
             losses = [json.loads(x)["loss"] for x in (tmp / name / "metrics.jsonl").read_text().splitlines()
                       if json.loads(x)["type"] == "train"]
             done[name] = report, losses
@@ -197,7 +198,7 @@ def test_training_on_cuda_fused_and_eager_agree(cuda_training, flags):
 
 
 def test_graphed_capture_equals_the_eager_capture(tiny_kind, cuda_models):
-    from outrider.train.capture import TargetCapture
+    from outrider.train.states.capture import TargetCapture
 
     model, _ = cuda_models(tiny_kind)
     aux_ids, draft_ids = (0, 1, 3), torch.arange(5, 60, device="cuda")
@@ -230,7 +231,7 @@ def test_flex_ttt_attention_gives_the_dense_gradients(S):
     from test_ttt import _head as _ttt_head
     from test_ttt import _inputs
 
-    from outrider.train.ttt import ttt_loss
+    from outrider.train.loop.ttt import ttt_loss
 
     embed, aux, ids, loss_mask, teacher, real = _inputs(B=3, S=S, seed=7)
     right = torch.ones_like(real)

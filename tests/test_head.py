@@ -9,7 +9,7 @@ from tiny import tiny_config
 from outrider.decode.kv_cache import SlotCache
 from outrider.errors import UserError
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.train.vocab import build_draft_vocab
+from outrider.train.data.vocab import build_draft_vocab
 
 EXPECTED = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.int4 import Int4Scheme, dequant_int4, unpack_int4, unpack_int4_rows
+from outrider.train.states.int4 import Int4Scheme, dequant_int4, unpack_int4, unpack_int4_rows
 
 KIMI_QUANT = {  # Kimi-K2.5's text_config.quantization_config
     "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
@@ -83,8 +83,8 @@ def test_experts_equal_library_dequantizer(tmp_path):
     from int4_ckpt import save_int4_deepseek
     from safetensors.torch import load_file
 
-    from outrider.train.stream import build_skeleton, text_config
-    from outrider.train.weights import SafetensorsFiles, build_tensor, module_recipes
+    from outrider.train.states.stream import build_skeleton, text_config
+    from outrider.train.states.weights import SafetensorsFiles, build_tensor, module_recipes
 
     folder = save_int4_deepseek(tmp_path / "int4", layers=2)
     raw = load_file(str(folder / "model.safetensors"))

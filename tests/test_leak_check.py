@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from outrider import assets
-from outrider.train.datasets import _write_split
+from outrider.train.data.datasets import _write_split
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "leak_check.py"
 

@@ -13,7 +13,7 @@ from outrider.decode.proposers.eagle3 import Eagle3Proposer, HeadCache
 from outrider.errors import UserError
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
-from outrider.train.ttt import ttt_loss, ttt_step_mask
+from outrider.train.loop.ttt import ttt_loss, ttt_step_mask
 
 VD = 40
 # (target kind, head attention, options): MLA heads with and without the 3.1 norms, a windowed GQA head

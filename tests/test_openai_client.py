@@ -17,10 +17,10 @@ import torch
 from tiny import make_tiny, save_tiny, tiny_tokenizer
 
 from outrider.errors import UserError
-from outrider.train.datasets import load_dataset, read_manifest
+from outrider.train.data.datasets import load_dataset, read_manifest
 from outrider.interop.openai_client import ChatClient, ServerRejected
-from outrider.train.prepare import build_dataset
-from outrider.train.regenerate import cache_path_for, hf_generate_fn
+from outrider.train.data.prepare import build_dataset
+from outrider.train.data.regenerate import cache_path_for, hf_generate_fn
 
 MODEL_NAME = "tiny-llama"
 REJECT_WORD = "w60"  # a user turn with this word gets HTTP 400, like a prompt over the context length

@@ -21,9 +21,10 @@ from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.errors import UserError
 from outrider.report import page
-from outrider.train import logs
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop import logs
+from outrider.train.loop.trainer import train
+from outrider.train.options import TrainOptions
 
 SERVED = Path(__file__).parents[1] / "benchmarks" / "results" / "served" / "transformers-serve-cpu-4x32.json"
 CFG = TrainConfig(steps=8, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
@@ -56,8 +57,8 @@ def made(tmp_path_factory):
     build_dataset(target, str(_conversations(root / "conv.json")), str(root / "data"), eval_fraction=0.2,
                   progress=False)
     for resume in (False, True):  # stopped at step 5, resumed to the end: two event files
-        train(target, str(root / "data"), str(root / "run"), config=CFG, progress=False, report_to="tensorboard",
-              max_steps=None if resume else 5, resume=resume)
+        train(TrainOptions(target, str(root / "data"), str(root / "run"), config=CFG, progress=False,
+                           report_to="tensorboard", max_steps=None if resume else 5, resume=resume))
     (root / "prompts.txt").write_text("w5 w6 w7 w8\nw10 w12 w14\n")
     common = dict(num_prompts=2, max_new_tokens=12, prompts=str(root / "prompts.txt"))
     records = [bench(target, "eagle3", draft=str(root / "run" / "head"), k=k, **common) for k in (2, 3)]

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from outrider.train import soft_ce
+from outrider.train.loop import soft_ce
 
 SCRIPT = r"""
 import json, torch
-from outrider.train.soft_ce import soft_cross_entropy_triton
-from outrider.train.ttt import soft_cross_entropy
+from outrider.train.loop.soft_ce import soft_cross_entropy_triton
+from outrider.train.loop.ttt import soft_cross_entropy
 torch.manual_seed(0)
 N, M, V = 9, 13, 5000  # three blocks of 2048, the last partly past V
 x = 3 * torch.randn(N, V)
@@ -60,7 +60,7 @@ def test_triton_soft_cross_entropy_matches_eager_in_the_interpreter():
 
 
 def test_loss_function_choices():
-    from outrider.train.ttt import (
+    from outrider.train.loop.ttt import (
         fused_soft_cross_entropy,
         loss_function,
         soft_cross_entropy,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.stream import (
+from outrider.train.states.stream import (
     Chunk,
     StreamedTarget,
     plan_chunks,

@@ -27,8 +27,8 @@ def test_checkpoint_is_pack_quantized_as_the_library_reads_it(tmp_path, tiny_dir
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from outrider.train.int4 import dequant_int4
-    from outrider.train.weights import SafetensorsFiles
+    from outrider.train.states.int4 import dequant_int4
+    from outrider.train.states.weights import SafetensorsFiles
 
     folder = tmp_path / "ckpt"
     run_bench("--out", str(folder), "--shape", "tiny", "--device", "cpu", "--layers", "2", "--tokens-per-pass", "64",

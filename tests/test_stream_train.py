@@ -19,11 +19,12 @@ from tiny import save_tiny
 
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
-from outrider.train.cache import OutriderCache
-from outrider.train.cache_capture import capture_cache
-from outrider.train.prepare import build_dataset
-from outrider.train.stream import StreamedTarget
-from outrider.train.trainer import train
+from outrider.train.data.prepare import build_dataset
+from outrider.train.loop.trainer import train
+from outrider.train.options import StreamOptions, TrainOptions
+from outrider.train.states.cache import OutriderCache
+from outrider.train.states.cache_capture import capture_cache
+from outrider.train.states.stream import StreamedTarget
 
 CFG = TrainConfig(steps=4, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
                   draft_vocab_size=40, eval_every=2, save_every=2, eval_examples=4, log_every=1,
@@ -71,8 +72,9 @@ def test_killed_streamed_capture_resumes_bit_identical(env, tmp_path):
                   max_tokens_per_shard=300, progress=False,
                   source=StreamedTarget(env["target"], (1, 2, 3), device="cpu", tokens_per_pass=200))
     out = tmp_path / "killed"
-    code = ("import sys, time; from outrider.train import cache; from outrider.train.cache_capture import capture_cache\n"
-            "from outrider.train.stream import StreamedTarget\n"
+    code = ("import sys, time; from outrider.train.states import cache\n"
+            "from outrider.train.states.cache_capture import capture_cache\n"
+            "from outrider.train.states.stream import StreamedTarget\n"
             "write = cache._write_file\n"
             "def slow(path, data):\n    write(path, data); time.sleep(0.5)\n"
             "cache._write_file = slow\n"
@@ -104,10 +106,10 @@ def test_streamed_training_equals_training_from_the_cache_of_its_passes(env, tmp
     capture_cache(env["target"], env["data"], str(cache), dtype="float32", aux_layer_ids=(1, 2, 3),
                   max_tokens_per_shard=300, progress=False,
                   source=StreamedTarget(env["target"], (1, 2, 3), device="cpu", **ONE))
-    from_cache = train(env["target"], None, str(tmp_path / "c"), config=CFG, progress=False, cache=str(cache),
-                       device="cpu")
-    streamed = train(env["target"], env["data"], str(tmp_path / "s"), config=CFG, progress=False, device="cpu",
-                     stream=ONE)
+    from_cache = train(TrainOptions(env["target"], None, str(tmp_path / "c"), config=CFG, progress=False,
+                                    cache=str(cache), device="cpu"))
+    streamed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "s"), config=CFG, progress=False,
+                                  device="cpu", stream=StreamOptions(**ONE)))
     assert len(_losses(tmp_path / "s")) == CFG.steps
     assert _losses(tmp_path / "s") == _losses(tmp_path / "c")
     assert _losses(tmp_path / "s", "eval") == _losses(tmp_path / "c", "eval")
@@ -116,12 +118,12 @@ def test_streamed_training_equals_training_from_the_cache_of_its_passes(env, tmp
 
 def test_streamed_training_resumes_bit_identical(env, tmp_path):
     options = {"tokens_per_pass": 120}  # passes of several batches, chunks of several examples
-    straight = train(env["target"], env["data"], str(tmp_path / "a"), config=CFG, progress=False, device="cpu",
-                     stream=options)
-    train(env["target"], env["data"], str(tmp_path / "b"), config=CFG, progress=False, device="cpu", stream=options,
-          max_steps=3)
-    resumed = train(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False, device="cpu",
-                    stream=options)
+    straight = train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=CFG, progress=False,
+                                  device="cpu", stream=StreamOptions(**options)))
+    train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=CFG, progress=False, device="cpu",
+                       stream=StreamOptions(**options), max_steps=3))
+    resumed = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False,
+                                 device="cpu", stream=StreamOptions(**options)))
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
     assert resumed.best_sim_tau == straight.best_sim_tau
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from outrider.errors import UserError
-from outrider.train.metrics import summarise_log
+from outrider.train.loop.metrics import summarise_log
 
 
 def _write(path: Path, rows: list[dict]) -> Path:

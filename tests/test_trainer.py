@@ -17,11 +17,12 @@ from outrider.cli import main as cli_main
 from outrider.config import PRESETS, TrainConfig
 from outrider.errors import UserError
 from outrider.interop.checkpoint import load_head
-from outrider.train.datasets import load_dataset
-from outrider.train.metrics import tau_at
-from outrider.train.prepare import build_dataset
-from outrider.train.trainer import lr_factor, train
-from outrider.train.vocab import DraftVocab, build_draft_vocab
+from outrider.train.data.datasets import load_dataset
+from outrider.train.data.prepare import build_dataset
+from outrider.train.data.vocab import DraftVocab, build_draft_vocab
+from outrider.train.loop.metrics import tau_at
+from outrider.train.loop.trainer import lr_factor, train
+from outrider.train.options import TrainOptions
 
 CFG = TrainConfig(steps=12, batch_size=2, grad_accum=2, max_length=48, lr=3e-3, warmup_steps=2, ttt_steps=3,
                   draft_vocab_size=40, eval_every=4, save_every=3, eval_examples=6, log_every=1,
@@ -75,7 +76,7 @@ def _train_records(out: Path) -> list[dict]:
 def straight(env):
     """One uninterrupted run of CFG, the reference for the resume tests."""
     out = env["root"] / "straight"
-    report = train(env["target"], env["data"], str(out), config=CFG, progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG, progress=False))
     return out, report
 
 
@@ -166,9 +167,9 @@ def test_run_writes_servable_head_state_and_metrics(env, straight):
 def test_stop_then_resume_is_bit_identical(env, straight):
     ref, _ = straight
     out = env["root"] / "stopped"
-    first = train(env["target"], env["data"], str(out), config=CFG, max_steps=5, progress=False)
+    first = train(TrainOptions(env["target"], env["data"], str(out), config=CFG, max_steps=5, progress=False))
     assert first.steps == 5 and json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 5
-    second = train(env["target"], env["data"], str(out), resume=True, progress=False)
+    second = train(TrainOptions(env["target"], env["data"], str(out), resume=True, progress=False))
     assert second.resumed_from == 5 and second.steps == 12
     a, b = _tensors(ref / "last" / "head"), _tensors(out / "last" / "head")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -186,7 +187,7 @@ def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight
     ref, _ = straight
     assert CFG.run_ahead
     out = tmp_path / "sync"
-    train(env["target"], env["data"], str(out), config=CFG.replace(run_ahead=False), progress=False)
+    train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(run_ahead=False), progress=False))
     ahead, sync = _train_records(ref), _train_records(out)
     assert [r["step"] for r in ahead if r["ahead"]] == [3, 6, 8, 11, 12]  # eval every 4, save every 3, 12 steps
     assert not any(r["ahead"] for r in sync)
@@ -202,8 +203,8 @@ def test_steps_queued_ahead_train_exactly_as_steps_read_one_by_one(env, straight
 
 
 def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
-    from outrider.train import dist
-    from outrider.train.datasets import BatchCursor
+    from outrider.train.data.datasets import BatchCursor
+    from outrider.train.loop import dist
 
     cursor = BatchCursor(load_dataset(env["data"]), CFG, dist.init_from_env("cpu"), CFG.seed)
     want = []
@@ -215,11 +216,12 @@ def test_epoch_labels_name_the_epoch_each_step_read(env, straight):
 
 
 def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp_path, monkeypatch):
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop.trainer import _Trainer
 
     monkeypatch.setattr(_Trainer, "_over_budget", lambda self, train_s: self.step >= 5)  # step 6 is queued then
     out = tmp_path / "budget-queued"
-    report = train(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e9), progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e9),
+                                progress=False))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert [r["ahead"] for r in records if r["type"] == "train"][-1] is True
@@ -229,7 +231,7 @@ def test_a_step_queued_when_the_budget_runs_out_is_finished_and_counted(env, tmp
 
 
 def test_a_non_finite_step_read_with_the_next_queued_keeps_the_last_checkpoint(env, tmp_path, monkeypatch):
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop.trainer import _Trainer
 
     launch = _Trainer._launch_step
 
@@ -243,18 +245,19 @@ def test_a_non_finite_step_read_with_the_next_queued_keeps_the_last_checkpoint(e
     monkeypatch.setattr(_Trainer, "_launch_step", nan_grad_norm_at_step_5)
     out = tmp_path / "nan-queued"
     with pytest.raises(UserError, match="non-finite gradient norm at step 5.*intact"):
-        train(env["target"], env["data"], str(out), config=CFG, progress=False)
+        train(TrainOptions(env["target"], env["data"], str(out), config=CFG, progress=False))
     assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 3  # save_every 3
     assert [r["step"] for r in _train_records(out)] == [1, 2, 3, 4]
 
 
 def test_token_budget_batches_train_and_resume_bit_identical(env, tmp_path):
     cfg = CFG.replace(batch_tokens=120, steps=10, eval_every=5, save_every=5)  # ~3 sequences of <= 48 tokens
-    ref = train(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False)
+    ref = train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=cfg, progress=False))
     assert ref.steps == 10 and ref.global_batch == 0 and ref.global_batch_tokens == 240
     assert "240 padded tokens" in ref.summary()
-    first = train(env["target"], env["data"], str(tmp_path / "b"), config=cfg, max_steps=4, progress=False)
-    second = train(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False)
+    first = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=cfg, max_steps=4,
+                               progress=False))
+    second = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), resume=True, progress=False))
     assert first.steps == 4 and second.steps == 10
     records = [_train_records(tmp_path / d) for d in ("a", "b")]
     assert [r["loss"] for r in records[0]] == [r["loss"] for r in records[1]]
@@ -267,8 +270,8 @@ def test_a_token_floor_joins_short_batches_in_training(env, tmp_path):
     plain_cfg = CFG.replace(group_by_length=4, steps=6, eval_every=6, save_every=6)
     cfg = plain_cfg.replace(min_batch_tokens=200)
     assert cfg.max_batch_tokens == 400
-    train(env["target"], env["data"], str(tmp_path / "a"), config=plain_cfg, progress=False)
-    rep = train(env["target"], env["data"], str(tmp_path / "b"), config=cfg, progress=False)
+    train(TrainOptions(env["target"], env["data"], str(tmp_path / "a"), config=plain_cfg, progress=False))
+    rep = train(TrainOptions(env["target"], env["data"], str(tmp_path / "b"), config=cfg, progress=False))
     plain, joined = _train_records(tmp_path / "a"), _train_records(tmp_path / "b")
     assert rep.steps == 6 and len(joined) == 6
     most = CFG.grad_accum * CFG.batch_size * CFG.max_length  # real tokens a step of two-sequence batches can hold
@@ -280,11 +283,12 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
     ref, _ = straight
     out = tmp_path / "killed"
     cfg_path = CFG.replace(save_every=1).save(tmp_path / "cfg.json")
-    code = ("import sys; from outrider.train.trainer import train; "
-            "train(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False)")
+    code = ("import sys; from outrider.train.loop.trainer import train; "
+            "from outrider.train.options import TrainOptions; "
+            "train(TrainOptions(sys.argv[1], sys.argv[2], sys.argv[3], config=sys.argv[4], progress=False))")
     killed_at = kill_training_after(code, [env["target"], env["data"], str(out), str(cfg_path)], out)
     assert 2 <= killed_at < 12
-    report = train(env["target"], env["data"], str(out), resume=True, progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(out), resume=True, progress=False))
     assert report.resumed_from == killed_at and report.steps == 12
     a, b = _tensors(ref / "last" / "head"), _tensors(out / "last" / "head")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -297,13 +301,13 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
 
 def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, straight, tmp_path):
     ref, _ = straight
-    report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
-                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
+                                config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     assert report.steps == 2 and not any("draft vocabulary" in n for n in report.notes)
     first = _train_records(tmp_path / "ft")[0]
     assert first["loss"] < _train_records(ref)[0]["loss"]  # it started from the trained head
-    other = train(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"),
-                  config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    other = train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"),
+                               config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     note = next(n for n in other.notes if "kept the --init head's draft vocabulary" in n)
     mine = DraftVocab.load(ref / "last")
     theirs = DraftVocab.load(tmp_path / "ft2" / "last")
@@ -312,36 +316,36 @@ def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, strai
     head = load_head(tmp_path / "ft2" / "head")[0]
     assert torch.equal(head.d2t.cpu(), mine.d2t)
     cfg = CFG.replace(steps=4, eval_every=4, save_every=2)  # a fine-tune that keeps its vocabulary resumes
-    train(env["target"], env["other"], str(tmp_path / "ft3"), init=str(ref / "head"), config=cfg, max_steps=2,
-          progress=False)
-    resumed = train(env["target"], env["other"], str(tmp_path / "ft3"), resume=True, progress=False)
+    train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft3"), init=str(ref / "head"), config=cfg,
+                       max_steps=2, progress=False))
+    resumed = train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft3"), resume=True, progress=False))
     assert resumed.resumed_from == 2 and resumed.steps == 4
     assert torch.equal(DraftVocab.load(tmp_path / "ft3" / "last").draft_ids, mine.draft_ids)
     with pytest.raises(UserError, match="training data.s content changed"):
-        train(env["target"], env["data"], str(tmp_path / "ft3"), resume=True, progress=False)
+        train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft3"), resume=True, progress=False))
 
 
 def test_resume_refusals_keep_the_checkpoint(env, straight, tmp_path):
     ref, _ = straight
     before = {d: _digest(ref / d) for d in ("head", "last")}
     with pytest.raises(UserError, match="training data.s content changed"):
-        train(env["target"], env["other"], str(ref), resume=True, progress=False)
+        train(TrainOptions(env["target"], env["other"], str(ref), resume=True, progress=False))
     with pytest.raises(UserError, match="already holds a training run"):
-        train(env["target"], env["data"], str(ref), config=CFG, progress=False)
+        train(TrainOptions(env["target"], env["data"], str(ref), config=CFG, progress=False))
     with pytest.raises(UserError, match="nothing to resume"):
-        train(env["target"], env["data"], str(tmp_path / "empty"), resume=True, progress=False)
+        train(TrainOptions(env["target"], env["data"], str(tmp_path / "empty"), resume=True, progress=False))
     assert {d: _digest(ref / d) for d in ("head", "last")} == before
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path):
     out = tmp_path / "nan"
-    train(env["target"], env["data"], str(out), config=CFG, max_steps=3, progress=False)
+    train(TrainOptions(env["target"], env["data"], str(out), config=CFG, max_steps=3, progress=False))
     before = {d: _digest(out / d) for d in ("head", "last")}
     broken = make_tiny("llama")
     with torch.no_grad():
         broken.lm_head.weight[5] = float("nan")  # a corrupted target: its teacher turns NaN
     with pytest.raises(UserError, match="non-finite loss at step 4.*intact"):
-        train(env["target"], env["data"], str(out), resume=True, progress=False,
+        train(TrainOptions(env["target"], env["data"], str(out), resume=True, progress=False),
               loaded_target=(broken, tiny_tokenizer()))
     assert {d: _digest(out / d) for d in ("head", "last")} == before
 
@@ -358,9 +362,10 @@ def test_empty_and_too_small_datasets_are_one_line_errors(env, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "no train examples" in err
     with pytest.raises(UserError, match="fewer than one batch"):
-        train(env["target"], env["data"], str(tmp_path / "o2"), config=CFG.replace(batch_size=64), progress=False)
+        train(TrainOptions(env["target"], env["data"], str(tmp_path / "o2"), config=CFG.replace(batch_size=64),
+                           progress=False))
     with pytest.raises(UserError, match="not an outrider token dataset"):
-        train(env["target"], str(tmp_path), str(tmp_path / "o3"), config=CFG, progress=False)
+        train(TrainOptions(env["target"], str(tmp_path), str(tmp_path / "o3"), config=CFG, progress=False))
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
@@ -368,7 +373,8 @@ def test_time_budget_ends_the_run_with_a_head(env, tmp_path):
     """A run over its training-time budget stops after the step that crossed it: final eval,
     checkpoint and head written, the early stop named in the report."""
     out = tmp_path / "budget"
-    report = train(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e-9), progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(out), config=CFG.replace(time_budget_s=1e-9),
+                                progress=False))
     assert report.steps == 1 and report.schedule_steps == CFG.steps
     assert any("time budget" in n for n in report.notes)
     assert (out / "head" / "model.safetensors").is_file() and (out / "last").is_dir()
@@ -380,12 +386,12 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
     """``init_layer_from_target``: before any update the head's step on (embedding e, aux states)
     equals the target's last decoder layer applied to the last aux state (the embedding half of
     the projections is zero, fc passes the last aux state through)."""
-    from outrider.train import dist
-    from outrider.train.trainer import _Trainer
+    from outrider.train.loop import dist
+    from outrider.train.loop.trainer import _Trainer
 
     cfg = CFG.replace(init_layer_from_target=True)
-    tr = _Trainer(dist.init_from_env("cpu"), env["target"], env["data"], str(tmp_path / "run"), None, cfg, None,
-                  False, None, None, None, False, None)
+    options = TrainOptions(env["target"], env["data"], str(tmp_path / "run"), config=cfg, progress=False)
+    tr = _Trainer(dist.init_from_env("cpu"), options)
     model, head = tr.target.model, tr.head
     ids = torch.tensor([[5, 17, 23, 42, 8, 61]])
     with torch.no_grad():
@@ -410,17 +416,29 @@ def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path)
 
     cfg = CFG.replace(steps=3, eval_every=3, save_every=3, head_attention="mla", head_fc_norm=True,
                       head_norm_output=True)
-    train(env["target"], env["data"], str(tmp_path / "mla"), config=cfg, progress=False)
+    train(TrainOptions(env["target"], env["data"], str(tmp_path / "mla"), config=cfg, progress=False))
     written = json.loads((tmp_path / "mla/head/config.json").read_text())
     assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["fc_norm"] is True
     head, hcfg = load_head(tmp_path / "mla/head")
     assert hcfg.attention == "mla" and hcfg.norm_output and head.fc_norm is not None
     # a fine-tune keeps the --init head's attention whatever the config asks
-    report = train(env["target"], env["data"], str(tmp_path / "ft"), init=str(tmp_path / "mla/head"),
-                   config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False)
+    report = train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft"), init=str(tmp_path / "mla/head"),
+                                config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     assert report.steps == 2 and load_head(tmp_path / "ft/head")[1].attention == "mla"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
     record = bench(env["target"], "eagle3", draft=str(tmp_path / "ft/head"), k=3, num_prompts=2, max_new_tokens=12,
                    prompts=str(prompts), device="cpu")
     assert record["lossless"] is True and record["new_tokens"] > 0
+
+
+def test_the_three_target_sides_have_the_protocols_methods():
+    """``TargetSide`` (``outrider.train.states.side``): online, cached and streamed sides implement it."""
+    from outrider.train.states.features import CachedTarget, OnlineTarget
+    from outrider.train.states.side import TargetSide
+    from outrider.train.states.stream_train import StreamedOnline
+
+    methods = [n for n, v in vars(TargetSide).items() if callable(v) and not n.startswith("_")]
+    assert "feature_source" in methods and "follow" in methods
+    for side in (OnlineTarget, CachedTarget, StreamedOnline):
+        assert all(callable(getattr(side, n, None)) for n in methods), side

@@ -10,8 +10,8 @@ from tiny import make_tiny, tiny_config
 from torch.nn import functional as F
 
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.train.capture import TargetCapture
-from outrider.train.ttt import (
+from outrider.train.states.capture import TargetCapture
+from outrider.train.loop.ttt import (
     TTTModule,
     counted_positions,
     simulated_accept_len,
@@ -19,7 +19,7 @@ from outrider.train.ttt import (
     ttt_loss,
     walked_accept_len,
 )
-from outrider.train.vocab import build_draft_vocab
+from outrider.train.data.vocab import build_draft_vocab
 
 VD = 40
 

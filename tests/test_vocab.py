@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from outrider.errors import UserError
-from outrider.train.vocab import (
+from outrider.train.data.vocab import (
     FILENAME,
     DraftVocab,
     build_draft_vocab,

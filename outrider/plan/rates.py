@@ -59,7 +59,7 @@ RATES: dict[str, Rate] = {
                            "benchmarks/history/results/h200-train-metrics-16.jsonl.gz through benchmarks/train_metrics.py: median "
                            "step 204,330 tokens/s, MFU 22.1 % (also the 2bc1054 run's median)"),
     "train_peak_flops_per_s": Rate(989e12, "FLOP/s the measured MFU is relative to (H200 dense bf16)",
-                                   "outrider.train.trainer.PEAK_BF16_FLOPS"),
+                                   "outrider.train.loop.metrics.PEAK_BF16_FLOPS"),
     "eval_warmup_s": Rate(75.0, "seconds of compilation and graph capture before a bench's timed passes",
                           "benchmarks/history/results/h200-bench-17-clean30v3-{a,b}.json: bench stages of 113 s (fresh machine) and 74 s "
                           "(second process) around ~25 s of passes; RESULTS.md: 45-106 s per engine across builds"),
@@ -85,7 +85,7 @@ RATES: dict[str, Rate] = {
     "server_start_s": Rate(600.0, "seconds to start a server and load a large target",
                            "assumed (weights read once from local NVMe)", "estimate"),
     "token_bytes": Rate(5.0, "bytes per token of a token dataset before compression (int32 id + int8 mask)",
-                        "outrider.train.datasets: input_ids list<int32>, loss_mask list<int8>", "formula"),
+                        "outrider.train.data.datasets: input_ids list<int32>, loss_mask list<int8>", "formula"),
 }
 
 

@@ -25,7 +25,7 @@ Stage models:
   reads it again and N ranks share ``storage_read_bytes_per_s``; the notes give the bound on N. ``served``: a serving engine's prefill over every
   token, the states written out. Cached modes store 4 x H values per token (three aux states and
   the last): bf16 4H x 2 B, fp8 4H x (1 + 4/H) B (one fp32 scale per row of H values).
-- training: FLOPs per token in ``outrider.train.flops``' conventions (the target's forward when
+- training: FLOPs per token in ``outrider.train.loop.flops``' conventions (the target's forward when
   online; the head's forward and backward over ``ttt_steps``; lm_head at the loss positions);
   time = tokens x FLOPs / (GPUs x peak x MFU), MFU measured on our runs over a whole run; a cache
   must also be read fast enough. Memory: the head's fp32 weights, gradients and Adam moments

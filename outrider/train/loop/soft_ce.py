@@ -1,7 +1,7 @@
 """The TTT loss's soft cross-entropy in one pass over the logits: Triton kernels, forward and backward.
 
 Contract. ``soft_cross_entropy_triton(logits, teacher, rows)`` returns what
-``outrider.train.ttt.soft_cross_entropy`` returns, computed by two Triton kernels:
+``outrider.train.loop.ttt.soft_cross_entropy`` returns, computed by two Triton kernels:
 
 - logits [N, V] (bf16, fp16 or fp32), teacher [M, V] (any float dtype), rows [N] int64: row ``i``
   of the logits is scored against teacher row ``rows[i]`` (the gather happens in the kernel's

@@ -47,8 +47,8 @@ to learn (``outrider.train.data``).
 ``TTTModule`` wraps the same computation as a module whose single ``forward`` a distributed
 wrapper can own (calling ``head.forward_hidden`` on a DDP-wrapped head would skip DDP's hooks).
 
-Not done here: the target forward (``outrider.train.capture``), optimisation
-(``outrider.train.trainer``), tree-shaped unrolling.
+Not done here: the target forward (``outrider.train.states.capture``), optimisation
+(``outrider.train.loop.trainer``), tree-shaped unrolling.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ import torch
 from torch.nn import functional as F
 
 from outrider.heads.eagle3 import Eagle3Head
-from outrider.train import soft_ce
-from outrider.train.capture import context_mask, real_positions
+from outrider.train.loop import soft_ce
+from outrider.train.states.capture import context_mask, real_positions
 
 
 @dataclass
@@ -209,7 +209,7 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     attention_mask: [batch, S] 1 on real tokens (None = all real)
     weights:        per-step loss weights; default ``decay**i``
     reduction:      "mean" (each step averaged over its positions) or "sum"
-    fused:          compute the loss in fused kernels: "triton" (``outrider.train.soft_ce``: one pass
+    fused:          compute the loss in fused kernels: "triton" (``outrider.train.loop.soft_ce``: one pass
                     over the logits; CUDA tensors only, compiled elsewhere), "compile" (``torch.compile``),
                     True (Triton where it can be imported, else compile), False (eager)
     index:          ``counted_positions(loss_mask, attention_mask, steps)`` on the batch's device,

@@ -1,23 +1,24 @@
 """Train an EAGLE-3 head on a frozen target: training-time test, exact resume, DDP.
 
 Contract:
-- ``train(target, data, out, ...)`` takes, per micro-batch, the target's aux states and its
-  teacher over the draft vocabulary from a feature source (``outrider.train.features``: the
-  target in memory, a hidden-state cache with ``cache=``, or a layer-streamed target), then the
-  training-time-test loss of the head (``outrider.train.ttt``). AdamW, warmup then cosine decay
-  (over the steps or the ``time_budget_s``, whichever ends first), clipping, bf16 autocast on
-  CUDA, accumulation, periodic evaluation; the best head has the highest simulated acceptance
-  length at ``tau_k`` drafts.
+- ``train(options)`` (``outrider.train.options.TrainOptions``) takes, per micro-batch, the target's
+  aux states and its teacher over the draft vocabulary from its target side
+  (``outrider.train.states.side.TargetSide``: the target in memory, a hidden-state cache, or a
+  layer-streamed target), then the training-time-test loss of the head (``ttt``). AdamW, warmup
+  then cosine decay (over the steps or the ``time_budget_s``, whichever ends first), clipping,
+  bf16 autocast on CUDA, accumulation, periodic evaluation; the best head has the highest
+  simulated acceptance length at ``tau_k`` drafts.
 - Each unroll step's loss is averaged over the loss positions of the whole global batch (counts
   known from the masks before any forward), so 1 and N processes compute the same gradient.
 - The draft vocabulary comes from the training split's loss-token counts and is stored with
-  every checkpoint; an ``init`` fine-tune keeps its head's vocabulary. A resume refuses any change
-  of what makes the result (``resume``: data, dtype, source, ...) unless ``allow_change`` names it.
+  every checkpoint (``outrider.train.data.vocab.run_vocab``); an ``init`` fine-tune keeps its
+  head's. A resume refuses any change of what makes the result (``resume``) unless
+  ``allow_change`` names it.
 - ``signals``: SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint.
 - ``out`` holds ``head/`` (the best head, servable), ``last/`` (the full training state:
-  ``outrider.train.checkpoint``), ``metrics.jsonl`` (``outrider.train.metrics``) and
-  ``train_config.json``; directories are swapped in atomically, so a run killed at any point
-  leaves the previous complete ``last/`` and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
+  ``checkpoint``), ``metrics.jsonl`` (``metrics``, ``logs``) and ``train_config.json``; directories
+  are swapped in atomically, so a run killed at any point leaves the previous complete ``last/``
+  and ``head/``; ``report_to``: TensorBoard or W&B too (``logs``).
 - Exact resume: ``resume=True`` continues with the next micro-batch of the same epoch order;
   bit-identical on CPU to a run never interrupted. ``run_ahead`` queues step n+1 before reading
   step n's metrics (equal results, bit-identical on CPU).
@@ -25,8 +26,9 @@ Contract:
   of each global batch; rank 0 writes. Resuming needs the same number of processes.
 - User-fixable errors are one-line ``UserError``s raised before anything written is touched.
 
-Not done here: the loss (``ttt``), the capture (``capture``), the features' sources
-(``features``), the head's starting weights (``head_init``), FSDP2 (``dist.shard_head`` is the hook).
+Not done here: flags (``outrider.cliargs``), the loss (``ttt``), the target sides
+(``outrider.train.states``), the head's starting weights (``head_init``), FSDP2
+(``dist.shard_head`` is the hook).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -50,89 +51,52 @@ from outrider.interop.formats.export import save_head
 from outrider.models import arch_info, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
-from outrider.train import checkpoint, dist, flops, head_init, logs, soft_ce
-from outrider.train import resume as same_run
-from outrider.train.datasets import BatchCursor, to_device
-from outrider.train.features import open_target
-from outrider.train.metrics import Launched, StepSums, TrainReport, peak_flops
-from outrider.train.schedule import lr_factor
-from outrider.train.stream import stream_options
-from outrider.train.stream_train import StreamedOnline
-from outrider.train.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
-from outrider.train.vocab import DraftVocab, build_draft_vocab, check_same, token_counts
+from outrider.train.data.datasets import BatchCursor, to_device
+from outrider.train.data.vocab import DraftVocab, run_vocab
+from outrider.train.loop import checkpoint, dist, flops, head_init, logs, soft_ce
+from outrider.train.loop import resume as same_run
+from outrider.train.loop.metrics import Launched, StepSums, Throughput, TrainReport, peak_flops
+from outrider.train.loop.schedule import lr_factor
+from outrider.train.loop.ttt import TTTModule, counted_positions, ttt_loss, walked_accept_len
+from outrider.train.options import TrainOptions
+from outrider.train.states.features import open_target
+from outrider.train.states.side import TargetSide
+from outrider.train.states.stream_train import StreamedOnline
 
 
-def train(target: str, data: str | None, out: str, preset: str | None = None, config: TrainConfig | str | None = None,
-          init: str | None = None, resume: bool = False, device: torch.device | str | None = None,
-          dtype: str | torch.dtype | None = None, max_steps: int | None = None,
-          aux_layer_ids: Sequence[int] | None = None, progress: bool = True, loaded_target: Any = None,
-          cache: str | None = None, device_map: str | dict | None = None, offload_folder: str | None = None,
-          stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-          signals: Signals | None = None, report_to: str = "none") -> TrainReport:
-    """Train an EAGLE-3 head for ``target`` on the token dataset ``data`` (or the hidden-state ``cache``,
-    with no forward of the target: ``outrider.train.features``) into ``out``.
+def train(options: TrainOptions, *, loaded_target: Any = None, signals: Signals | None = None) -> TrainReport:
+    """Train an EAGLE-3 head as ``options`` say (``outrider.train.options``) into ``options.out``.
 
-    preset:        ``quick`` or ``full``; default ``full`` on CUDA, ``quick`` on CPU
-    config:        a ``TrainConfig``, or a JSON file of settings overriding the preset's
-    init:          a head folder (any format ``load_head`` reads) or an earlier run's ``out`` to fine-tune
-    resume:        continue the run in ``out/last`` exactly where it stopped
-    max_steps:     stop at this optimizer step (the schedule still spans the config's ``steps``)
-    aux_layer_ids: target layers whose input states the head fuses (default ``(2, L//2, L-3)``)
     loaded_target: an already loaded target model, or ``(model, tokenizer)``, to skip loading
-    cache:         a hidden-state cache (ours, SpecForge's or speculators'), instead of ``data``
-    device_map:    place the target through accelerate (``models.parse_device_map``, offload into
-                   ``offload_folder``); the head stays on ``device``
-    stream:        stream the target layer by layer (``StreamedTarget``'s options; ``stream_train``)
-    allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.resume.NAMES``)
     signals:       SIGINT/SIGTERM stop the run at the next step boundary, after a checkpoint
-    report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.logs``)
     """
-    if (data is None) == (cache is None):
-        raise UserError("give either --data (a token dataset) or --cache (a hidden-state cache), not both")
-    logs.require(report_to)
-    env = dist.init_from_env(device)
+    logs.require(options.report_to)
+    env = dist.init_from_env(options.device)
     try:
-        return _Trainer(env, target, data, out, preset, config, init, resume, dtype, max_steps, aux_layer_ids,
-                        progress, loaded_target, cache, (device_map, offload_folder), stream, allow_change,
-                        signals, report_to).run()
+        return _Trainer(env, options, loaded_target, signals).run()
     finally:
         dist.shutdown(env)
 
 
-def train_from_cli(args: Any) -> TrainReport:
-    """``outrider train``: the CLI's namespace -> ``train``; rank 0 prints the summary."""
-    report = train(args.target, args.data, args.out, preset=args.preset, config=args.config, init=args.init,
-                   resume=args.resume, device=args.device, dtype=args.dtype, max_steps=args.max_steps,
-                   aux_layer_ids=args.aux_layers, progress=not args.quiet, cache=getattr(args, "cache", None),
-                   device_map=getattr(args, "device_map", None), offload_folder=getattr(args, "offload_folder", None),
-                   stream=stream_options(args), allow_change=getattr(args, "allow_change", None) or (),
-                   signals=getattr(args, "signals", None), report_to=getattr(args, "report_to", "none"))
-    if report.rank == 0:
-        print(report.summary())
-    return report
-
-
 class _Trainer:
-    def __init__(self, env: dist.DistEnv, target: str, data: str, out: str, preset: str | None,
-                 config: TrainConfig | str | None, init: str | None, resume: bool, dtype: Any,
-                 max_steps: int | None, aux_layer_ids: Sequence[int] | None, progress: bool, loaded_target: Any,
-                 cache: str | None = None, placement: tuple[Any, Any] = (None, None),
-                 stream: dict[str, Any] | None = None, allow_change: Sequence[str] = (),
-                 signals: Signals | None = None, report_to: str = "none"):
-        self.t_start, self.report_to, self.log = time.perf_counter(), report_to, None
+    def __init__(self, env: dist.DistEnv, options: TrainOptions, loaded_target: Any = None,
+                 signals: Signals | None = None):
+        o = options
+        self.t_start, self.report_to, self.log = time.perf_counter(), o.report_to, None
         self.signals, self.interrupt = signals, None
-        self.env, self.target_name, self.data, self.init = env, str(target), str(cache or data), init
-        self.out = Path(out).expanduser()
+        self.env, self.target_name, self.data, self.init = env, str(o.target), str(o.cache or o.data), o.init
+        self.out = Path(o.out).expanduser()
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
-        self.progress, self.notes = progress and env.is_main, []
-        self.resume_state = checkpoint.read_state(self.last_dir) if resume else None
-        self._settings(preset, config, init, max_steps, aux_layer_ids)
-        self._open_target(data, cache, dtype, loaded_target, placement, stream)
-        self.identity = same_run.identity(data, cache, stream, parse_dtype(dtype, self.env.device),
+        self.progress, self.notes = o.progress and env.is_main, []
+        self.resume_state = checkpoint.read_state(self.last_dir) if o.resume else None
+        self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids)
+        self._open_target(o, loaded_target)
+        stream = o.stream.as_kwargs() if o.stream is not None else None
+        self.identity = same_run.identity(o.data, o.cache, stream, parse_dtype(o.dtype, self.env.device),
                                           self.config.aux_layer_ids, self.target.config, self.config)
-        self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, allow_change) \
+        self.changed = same_run.compare(self.resume_state.get("identity"), self.identity, o.allow_change) \
             if self.resume_state is not None else {}
-        self._build_head(init)
+        self._build_head(o.init)
         self._build_optimizer()
         self._restore()
 
@@ -158,21 +122,21 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-    def _open_target(self, data: str | None, cache: str | None, dtype: Any, loaded: Any,
-                     placement: tuple[Any, Any], stream: dict[str, Any] | None) -> None:
-        """The target side (``features``: a cache with the target's few tensors read lazily, the target
-        loaded after its data, or ``stream_train``: streamed layer by layer), its splits and
-        embedding; a cache's or a streamed target's aux ids become the run's."""
-        if stream is not None:
-            if placement[0] is not None or loaded is not None or cache is not None:
+    def _open_target(self, o: TrainOptions, loaded: Any) -> None:
+        """The target side (``TargetSide``: ``states.features.open_target``, or
+        ``states.stream_train.StreamedOnline``), its splits and embedding; a cache's or a streamed
+        target's aux ids become the run's."""
+        device = self.env.device
+        if o.stream is not None:
+            if loaded is not None:
                 raise UserError("--stream-layers streams the target from its files: drop --device-map and --cache")
             if self.env.distributed:
                 raise UserError("--stream-layers trains on one process: run it without torchrun")
-            self.target = StreamedOnline(self.target_name, data, self.env.device,
-                                         parse_dtype(dtype, self.env.device), self.config.aux_layer_ids, stream)
+            self.target: TargetSide = StreamedOnline(self.target_name, o.data, device, parse_dtype(o.dtype, device),
+                                                     self.config.aux_layer_ids, o.stream)
         else:
-            self.target = open_target(self.target_name, data, cache, self.env.device, dtype, loaded,
-                                      self.config.aux_layer_ids, placement)
+            self.target = open_target(self.target_name, o.data, o.cache, device, o.dtype, loaded,
+                                      self.config.aux_layer_ids, (o.device_map, o.offload_folder))
         self.config = self.config.replace(aux_layer_ids=self.target.aux_layer_ids or self.config.aux_layer_ids)
         self.notes.extend(self.target.notes)
         self.train_ds, self.eval_ds = self.target.splits["train"], self.target.splits["eval"]
@@ -191,7 +155,7 @@ class _Trainer:
         """The draft vocabulary and the head: fresh, fine-tuned from ``init``, or the checkpoint's."""
         cfg, target_cfg = self.config, self.target.config
         vocab_size = arch_info(target_cfg).vocab_size
-        init_head = None
+        init_head, init_vocab = None, None
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
         if init is not None:
             init_head, _ = load_head(checkpoint.init_head_dir(init), target_config=target_cfg)
@@ -201,25 +165,10 @@ class _Trainer:
                 raise UserError(f"aux layer ids {list(cfg.aux_layer_ids)} differ from those of the --init head "
                                 f"{list(init_head.config.aux_layer_ids)}: drop --aux-layers")
             self.config = cfg = cfg.replace(aux_layer_ids=init_head.config.aux_layer_ids, draft_vocab_size=size)
-        pairs = ((ids.astype(np.int64), mask.astype(np.int64)) for ids, mask in
-                 zip(self.train_ds.input_ids, self.train_ds.loss_mask))
-        counts = token_counts(pairs, vocab_size)  # [vocab] loss-masked occurrences
-        self.vocab = build_draft_vocab(counts, vocab_size, size)
-        if init is not None:  # the head's rows belong to its vocabulary: a fine-tune keeps it
-            own, ids = self.vocab, init_vocab.draft_ids
-            self.vocab = DraftVocab.from_draft_ids(ids, vocab_size, counts[ids], int(counts.sum()))
-            if not torch.equal(ids, own.draft_ids):
-                self.notes.append(f"kept the --init head's draft vocabulary: it covers {100 * self.vocab.coverage():.2f} % "
-                                  f"of this data's loss tokens (one built from this data: {100 * own.coverage():.2f} %)")
-        if self.resume_state is not None:  # the checkpoint's vocabulary, if the data is the same
-            saved = DraftVocab.load(self.last_dir)
-            same = saved.target_vocab_size == vocab_size and saved.total == int(counts.sum()) \
-                and torch.equal(saved.counts, counts[saved.draft_ids])
-            if not same and "data" not in self.changed:  # an allowed change of data keeps the head's rows
-                check_same(saved, self.vocab)  # the clearer message where the vocabulary itself moved
-                raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
-                                "with the same --data, or train into a new --out")
-            self.vocab = saved
+        saved = DraftVocab.load(self.last_dir) if self.resume_state is not None else None
+        self.vocab, notes = run_vocab(self.train_ds, vocab_size, size, init_vocab, saved,
+                                      "data" in self.changed)
+        self.notes.extend(notes)
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
         head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
@@ -278,16 +227,12 @@ class _Trainer:
             pos = s["position"]
             self.cursor = BatchCursor(self.train_ds, cfg, env, int(pos["seed"]), int(pos["epoch"]), int(pos["batch"]))
             self.last_eval = s.get("last_eval") or {}
-            w = s["window"]
-            self.window.ce, self.window.correct, self.window.counted = w["ce"], w["correct"], w["counted"]
-            self.window.tokens = int(w["tokens"])
+            self.window.load_state(s["window"])
             self.train_s = float(s.get("train_s", 0.0))
             if self.step >= self.stop_at:
                 self.notes.append(f"the checkpoint is already at step {self.step}: nothing to train")
         self.resumed_from = self.step if self.resume_state is not None else None
-        follow = getattr(self.target, "follow", None)  # a streamed target captures the batches ahead
-        if follow is not None:
-            self.cursor = follow(self.cursor)
+        self.cursor = self.target.follow(self.cursor)  # a streamed target captures the batches ahead
 
     def _load_head_weights(self, directory: Path) -> None:
         saved, saved_cfg = load_head(directory)
@@ -322,7 +267,7 @@ class _Trainer:
         objective = dist.wrap(self.objective(), env)
         bar = Bar(self.progress, "train", self.stop_at, completed=self.step,
                   fields="loss {loss} acc0 {acc0} tau {tau} {tps} tok/s")
-        train_s, tokens_seen, total_flops = 0.0, 0, 0.0  # this run's share (self.train_s counts resumed time too)
+        rate = Throughput(self.peak, env.world_size)  # this run's share (self.train_s counts resumed time too)
         if self.resume_state is not None:
             checkpoint.set_rng_state(self.resume_state["rng"])
         deferred = self.signals.deferred() if self.signals is not None else contextlib.nullcontext()
@@ -331,24 +276,11 @@ class _Trainer:
                 self.capture = capture
                 for launched, m, counted, queued, dt in self._steps(objective):
                     m["ahead"] = launched.ahead
-                    train_s += dt
                     self.train_s += dt
-                    tokens_seen += m["tokens"]
-                    weights, attention = self._step_flops(m["tokens"], counted, m["attn_pairs"])
-                    total_flops += weights + attention
-                    m["tokens_per_s"], m["train_s"] = round(m["tokens"] / dt, 2), round(self.train_s, 3)
-                    if self.peak:
-                        m["mfu"] = round((weights + attention) / (dt * self.peak * env.world_size), 5)
-                        m["mfu_weights"] = round(weights / (dt * self.peak * env.world_size), 5)
+                    rate.add(m, dt, *self._step_flops(m["tokens"], counted, m["attn_pairs"]), self.train_s)
                     bar.update(self.step, loss=f"{m['loss']:.3f}", acc0=f"{m['per_step_acc'][0]:.2f}",
                                tau=f"{m['sim_tau_k']:.2f}", tps=f"{m['tokens_per_s']:.0f}")
-                    if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
-                        self.stop_at = self.step + queued  # a step already queued is finished and counted
-                        self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
-                                          f"step {self.stop_at} of {cfg.steps}")
-                    if self.interrupt is None and self.step < self.stop_at and self._any_rank(
-                            self.signals is not None and self.signals.received is not None):
-                        self.interrupt, self.stop_at = self.signals.received or 15, self.step + queued
+                    self._stop_early(queued)
                     end = self.step == self.stop_at and self.interrupt is None  # a signal's stop is no end
                     if env.is_main and (self.step % cfg.log_every == 0 or end):
                         self._log({"type": "train", **m})
@@ -366,15 +298,30 @@ class _Trainer:
                                               "rerun with --resume to continue exactly")
         if self.step >= self.stop_at and not self.head_dir.exists() and env.is_main:
             self._checkpoint_head()  # a resume of a finished run with no head/ left
-        mfu = total_flops / (train_s * self.peak * env.world_size) if self.peak and train_s > 0 else None
         if self.eval_ds is None:
             self.notes.append("the data has no eval split: the best head was chosen on training accuracy")
+        return self._report(rate)
+
+    def _stop_early(self, queued: int) -> None:
+        """Lowers ``stop_at`` after the step just read when the time budget is used up or a signal came
+        (on any rank); the ``queued`` steps already launched are finished and counted."""
+        cfg = self.config
+        if cfg.time_budget_s and self.step < self.stop_at and self._over_budget(self.train_s):
+            self.stop_at = self.step + queued
+            self.notes.append(f"stopped by the time budget ({cfg.time_budget_s:g} s of training) at "
+                              f"step {self.stop_at} of {cfg.steps}")
+        if self.interrupt is None and self.step < self.stop_at and self._any_rank(
+                self.signals is not None and self.signals.received is not None):
+            self.interrupt, self.stop_at = self.signals.received or 15, self.step + queued
+
+    def _report(self, rate: Throughput) -> TrainReport:
+        env, cfg = self.env, self.config
         return TrainReport(
             out=str(self.out), head_dir=str(self.head_dir), preset=self.preset, steps=self.step,
             schedule_steps=cfg.steps, best_step=self.best_step,
             best_sim_tau=float(self.best_score) if self.best_score > -math.inf else float("nan"), tau_k=cfg.tau_k,
-            final_eval=self.last_eval, train_tokens=tokens_seen, wall_s=time.perf_counter() - self.t_start,
-            train_s=train_s, tokens_per_s=tokens_seen / train_s if train_s > 0 else 0.0, mfu=mfu,
+            final_eval=self.last_eval, train_tokens=rate.tokens, wall_s=time.perf_counter() - self.t_start,
+            train_s=rate.train_s, tokens_per_s=rate.tokens_per_s(), mfu=rate.mfu(),
             mfu_note=self.mfu_note, world_size=env.world_size, global_batch=self.global_batch,
             global_batch_tokens=self.global_batch_tokens,
             device=str(env.device), draft_vocab_size=self.vocab.draft_vocab_size,
@@ -439,10 +386,6 @@ class _Trainer:
     def _pauses_at(self, step: int) -> bool:
         """Does the run evaluate or checkpoint after ``step`` on the config's schedule?"""
         return step % self.config.eval_every == 0 or step % self.config.save_every == 0
-
-    def _train_step(self, objective: nn.Module) -> tuple[dict[str, Any], torch.Tensor]:
-        """One optimizer step, queued and then read."""
-        return self._finish_step(self._launch_step(objective))
 
     def _launch_step(self, objective: nn.Module) -> Launched:
         """Queues one optimizer step. The loss positions are found on the host and travel with the
@@ -588,8 +531,7 @@ class _Trainer:
                 "last_eval": self.last_eval, "world_size": self.env.world_size, "target": self.target_name,
                 "data": self.data, "vocab_fingerprint": self.vocab.fingerprint(), "train_s": self.train_s,
                 "identity": self.identity,
-                "window": {"ce": self.window.ce, "correct": self.window.correct, "counted": self.window.counted,
-                           "tokens": self.window.tokens},
+                "window": self.window.state(),
             }
             readable = {k: state[k] for k in ("format", "version", "step", "position", "best_step", "world_size",
                                               "target", "data", "vocab_fingerprint", "identity")}

@@ -12,6 +12,8 @@ Contract (DESIGN.md, "Draft vocabulary"):
 - Stored next to every checkpoint as ``draft_vocab.safetensors`` (``d2t``, ``t2d``, ``counts``;
   metadata: sizes, total count), written atomically. ``check_same`` refuses, with a
   ``UserError``, a resumed run whose vocabulary would differ from the checkpoint's.
+- ``run_vocab``: a training run's vocabulary: built from its data, kept from an ``--init`` head,
+  or the checkpoint's on resume.
 
 Not done here: choosing N from a coverage target, merging vocabularies of several runs.
 """
@@ -193,3 +195,29 @@ def check_same(checkpoint: DraftVocab, current: DraftVocab) -> None:
         raise UserError(f"draft vocabulary differs from the checkpoint's: {problem}; resume or fine-tune with the "
                         "checkpoint's vocabulary (same data and size) or train into a new output directory")
 
+
+
+def run_vocab(train_ds: Any, vocab_size: int, size: int, init: DraftVocab | None = None,
+              saved: DraftVocab | None = None, data_changed: bool = False) -> tuple[DraftVocab, list[str]]:
+    """(the run's draft vocabulary, notes): built from ``train_ds``'s loss-token counts with ``size``
+    rows; ``init``'s rows kept (a fine-tune); a resumed run's ``saved`` one, whose data must be the
+    same unless ``data_changed`` is allowed (then the head's rows are kept)."""
+    pairs = ((ids.astype(np.int64), mask.astype(np.int64)) for ids, mask in
+             zip(train_ds.input_ids, train_ds.loss_mask))
+    counts = token_counts(pairs, vocab_size)  # [vocab] loss-masked occurrences
+    vocab, notes = build_draft_vocab(counts, vocab_size, size), []
+    if init is not None:  # the head's rows belong to its vocabulary: a fine-tune keeps it
+        own, ids = vocab, init.draft_ids
+        vocab = DraftVocab.from_draft_ids(ids, vocab_size, counts[ids], int(counts.sum()))
+        if not torch.equal(ids, own.draft_ids):
+            notes.append(f"kept the --init head's draft vocabulary: it covers {100 * vocab.coverage():.2f} % "
+                         f"of this data's loss tokens (one built from this data: {100 * own.coverage():.2f} %)")
+    if saved is not None:  # the checkpoint's vocabulary, if the data is the same
+        same = saved.target_vocab_size == vocab_size and saved.total == int(counts.sum()) \
+            and torch.equal(saved.counts, counts[saved.draft_ids])
+        if not same and not data_changed:  # an allowed change of data keeps the head's rows
+            check_same(saved, vocab)  # the clearer message where the vocabulary itself moved
+            raise UserError("the training data differs from the checkpoint's (its loss-token counts): resume "
+                            "with the same --data, or train into a new --out")
+        vocab = saved
+    return vocab, notes

@@ -29,9 +29,9 @@ import torch
 from outrider.ops.seeds import derived_seed
 from outrider.models import input_device, load_model
 from outrider.progress import Bar
-from outrider.train.conversations import Conversation, Dropped
+from outrider.train.data.conversations import Conversation, Dropped
 from outrider.interop.openai_client import ChatClient, ServerRejected
-from outrider.train.template import encode, render
+from outrider.train.data.template import encode, render
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]  # prompts' token ids, max new -> new ids
 

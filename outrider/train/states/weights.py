@@ -43,7 +43,7 @@ import torch
 
 from outrider.errors import UserError
 from outrider.fsutil import SAFETENSORS_INDEX, safetensors_index
-from outrider.train.int4 import (
+from outrider.train.states.int4 import (
     PACKED,
     SCALE,
     SHAPE,

@@ -2,10 +2,9 @@
 
 Contract:
 - ``StreamedOnline(target, data, device, dtype, aux_layer_ids, options)`` is a target side of the
-  trainer (``outrider.train.features``' protocol: ``config``, ``embedding``, ``lm_rows``,
-  ``norm_weight``, ``splits``, ``flops_per_token``, ``attention_flops``, ``feature_source``) for
-  a target that is never loaded whole: ``outrider.train.stream.StreamedTarget`` with ``options``
-  (``gpu_memory``, ``tokens_per_pass``, ``packing``, ``max_chunk_tokens``). Its embedding,
+  trainer (``outrider.train.states.side.TargetSide``) for a target that is never loaded whole:
+  ``outrider.train.states.stream.StreamedTarget`` sized by ``options``
+  (``outrider.train.options.StreamOptions``). Its embedding,
   lm_head rows and final norm are read from the safetensors (``TargetWeights``); its splits
   number examples train first, then eval, as a cache's do.
 - ``follow(cursor)`` wraps the trainer's ``BatchCursor`` in a ``PassCursor``, which notes the
@@ -16,14 +15,14 @@ Contract:
   it, all of it, with one ``states`` call (one stream of the weights), so a resumed run captures
   the very passes an uninterrupted one did and continues bit for bit. An eval batch makes it
   capture every example the evaluation reads, once for the run (the target is frozen). A pass's
-  states are kept as a cache keeps them (``outrider.train.cache.encode``, in the streamer's dtype:
+  states are kept as a cache keeps them (``outrider.train.states.cache.encode``, in the streamer's dtype:
   lossless) and turned into batches by the cache's own code (``CachedFeatures``), so training
   equals training from a cache holding the same states; with chunks of one example
   (``max_chunk_tokens=1``) the states do not depend on which examples share a pass, and it equals
   training from ``outrider capture --stream-layers``'s cache of the same data.
 
 Not done here: several processes (each would stream the whole model), overlapping a pass's capture
-with training on the previous one, the loss and the loop (``ttt``, ``trainer``).
+with training on the previous one, the loss and the loop (``outrider.train.loop``).
 """
 
 from __future__ import annotations
@@ -35,12 +34,14 @@ import torch
 
 from outrider.errors import UserError
 from outrider.models import load_tokenizer
-from outrider.train import cache, flops
-from outrider.train.capture import TeacherHead
-from outrider.train.datasets import Batch, BatchCursor, consecutive_groups, load_split
-from outrider.train.features import CachedFeatures, CacheSplit
-from outrider.train.stream import StreamedTarget
-from outrider.train.target_weights import TargetWeights
+from outrider.train.data.datasets import Batch, BatchCursor, consecutive_groups, load_split
+from outrider.train.loop import flops
+from outrider.train.options import StreamOptions
+from outrider.train.states import cache
+from outrider.train.states.capture import TeacherHead
+from outrider.train.states.features import CachedFeatures, CacheSplit
+from outrider.train.states.stream import StreamedTarget
+from outrider.train.states.target_weights import TargetWeights
 
 
 class PassCursor:
@@ -145,7 +146,7 @@ class StreamedOnline:
     """The trainer's target side for a target streamed layer by layer (see the module docstring)."""
 
     def __init__(self, target: str, data: str, device: torch.device, dtype: torch.dtype,
-                 aux_layer_ids: Sequence[int] | None, options: dict[str, Any]):
+                 aux_layer_ids: Sequence[int] | None, options: StreamOptions):
         self.device, self.dtype = device, dtype
         train = load_split(data, "train", required=True)
         evals = load_split(data, "eval", required=False)
@@ -160,7 +161,7 @@ class StreamedOnline:
         self.weights = TargetWeights(target)
         self.config = self.weights.config
         self.streamer = StreamedTarget(target, sorted(aux_layer_ids) if aux_layer_ids is not None else None,
-                                       device=device, dtype=dtype, **options)
+                                       device=device, dtype=dtype, **options.as_kwargs())
         self.aux_layer_ids = self.streamer.aux_layer_ids
         self.embedding = torch.nn.Embedding.from_pretrained(self.weights.embedding().to(device, dtype), freeze=True)
         self.index = [("train", i) for i in range(len(train))] + [("eval", i) for i in range(len(evals or []))]

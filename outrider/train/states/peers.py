@@ -1,7 +1,7 @@
 """Hidden-state caches written by other trainers, read for ``outrider train --cache``.
 
 Contract: ``open_peer(folder)`` detects the format from the files and returns a reader with the
-interface of ``outrider.train.cache.OutriderCache`` (``kind``, ``path``, ``hidden_size``,
+interface of ``outrider.train.states.cache.OutriderCache`` (``kind``, ``path``, ``hidden_size``,
 ``aux_layer_ids`` = None (neither format records them), ``final_prenorm``, ``tokenizer`` = None,
 ``splits()`` = ``["train"]``, ``examples(split)``, ``read(split, index) -> Stored``), or refuses
 with one line. Nothing read here runs code: pickles load with ``torch.load(weights_only=True)``.
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from outrider.errors import UserError
-from outrider.train.cache import Stored, teacher_rows
-from outrider.train.datasets import _pyarrow
+from outrider.train.states.cache import Stored, teacher_rows
+from outrider.train.data.datasets import require_pyarrow
 from outrider.values import check_finite
 
 _NONFINITE = "the peer's capture produced them (its target or dtype): capture that example again"
@@ -182,7 +182,7 @@ class SpeculatorsCache:
 
 def _arrow_rows(data: Path, hs_dir: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``input_ids`` and ``loss_mask`` of a dataset written by ``datasets``' ``save_to_disk``."""
-    pa, _ = _pyarrow()
+    pa, _ = require_pyarrow()
     state = data / "state.json"
     if not state.exists():
         raise UserError(f"{hs_dir} holds speculators hidden states, but {data} has no Arrow dataset (state.json) with "

@@ -12,7 +12,7 @@ Contract:
   complete lines up to a step (a killed run may have logged past its checkpoint).
 - ``init_head_dir`` resolves ``--init``: a head folder, or an earlier run's output (its ``head/``).
 
-Not done here: what the state means (``trainer``), the head's own format (``heads.formats``).
+Not done here: what the state means (``trainer``), the head's own format (``interop.formats.export``).
 """
 
 from __future__ import annotations

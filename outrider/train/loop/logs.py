@@ -23,7 +23,7 @@ from typing import Any
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.provenance import git_commit, today
-from outrider.train import checkpoint
+from outrider.train.loop import checkpoint
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

@@ -16,7 +16,7 @@ Names are matched by suffix (``embed_tokens.weight``, ``lm_head.weight``, ``mode
 so wrapped text models (Kimi-K2.5's ``language_model.``) are found too. GGUF targets and
 non-float tensors are refused with one line.
 
-Not done here: the decoder layers (``outrider.train.capture`` runs a loaded target), quantised heads.
+Not done here: the decoder layers (``outrider.train.states.capture`` runs a loaded target), quantised heads.
 """
 
 from __future__ import annotations

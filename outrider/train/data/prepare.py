@@ -62,10 +62,10 @@ import numpy as np
 from outrider.errors import UserError
 from outrider.models import load_tokenizer, resolve
 from outrider.progress import Bar
-from outrider.train.conversations import Dropped, load_source
-from outrider.train.datasets import FORMAT, VERSION, write_dataset
-from outrider.train.regenerate import GenerateFn, pad_id, regenerate_conversations
-from outrider.train.template import (
+from outrider.train.data.conversations import Dropped, load_source
+from outrider.train.data.datasets import FORMAT, VERSION, write_dataset
+from outrider.train.data.regenerate import GenerateFn, pad_id, regenerate_conversations
+from outrider.train.data.template import (
     control_strings,
     end_token_ids,
     require_chat_template,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from outrider.errors import UserError
-from outrider.train.conversations import Conversation, Dropped
+from outrider.train.data.conversations import Conversation, Dropped
 
 # --------------------------------------------------------------------------------------------
 # The target's chat template -> ids and masks

@@ -22,7 +22,7 @@ import torch
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, read_text
 from outrider.outputs import OWN_FILES
-from outrider.train.template import vocab_identity
+from outrider.train.data.template import vocab_identity
 from outrider.values import check_ids
 
 FORMAT = "outrider-tokens"
@@ -33,7 +33,8 @@ VERSION = 1
 # Writing and reading the token dataset
 
 
-def _pyarrow():
+def require_pyarrow():
+    """(pyarrow, pyarrow.parquet), or a one-line ``UserError`` naming the extra to install."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -45,7 +46,7 @@ def _pyarrow():
 
 def _write_split(directory: Path, split: str, rows: list[tuple[str, list[int], list[int]]],
                  shard_rows: int) -> list[dict[str, Any]]:
-    pa, pq = _pyarrow()
+    pa, pq = require_pyarrow()
     shards = []
     for k, start in enumerate(range(0, len(rows), shard_rows)):
         chunk = rows[start: start + shard_rows]
@@ -288,7 +289,7 @@ def load_dataset(directory: str | Path, split: str = "train") -> TokenDataset:
     manifest = read_manifest(d)
     if split not in manifest.get("splits", {}):
         raise UserError(f"{d} has no '{split}' split (it has: {', '.join(manifest.get('splits', {}))})")
-    _, pq = _pyarrow()
+    _, pq = require_pyarrow()
     input_ids: list[np.ndarray] = []
     loss_mask: list[np.ndarray] = []
     conv_ids: list[str] = []

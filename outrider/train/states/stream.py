@@ -3,7 +3,7 @@
 Contract:
 - ``StreamedTarget(target, aux_layer_ids, ...)`` builds the target on the meta device from its
   config (stock ``transformers`` classes; the text model of a wrapper such as Kimi-K2.5's
-  ``kimi_k25``), checks every safetensors shard up front (``outrider.train.weights``), and keeps
+  ``kimi_k25``), checks every safetensors shard up front (``outrider.train.states.weights``), and keeps
   only the final norm resident. Used as a context manager (``close()`` frees its buffers).
 - ``states(input_ids)`` -> one ``(aux, final)`` per example, on ``out_device``: ``aux``
   [len, n_aux*H] is Hugging Face ``output_hidden_states[j]`` for the aux ids ``j`` in the given
@@ -11,7 +11,7 @@ Contract:
   the final norm. The tensors of one pass are views of one buffer.
 - Passes: the examples, in the given order, are cut into passes of at most ``tokens_per_pass``
   tokens. A pass streams the whole model once: the embedding, then every decoder layer, each
-  loaded (``outrider.train.layer_loader``: the next one is read and copied while this one
+  loaded (``outrider.train.states.layer_loader``: the next one is read and copied while this one
   computes), run over every token of the pass, and dropped. INT4 experts travel packed and are
   dequantized on the device.
 - Chunks: inside a pass ``plan_chunks`` sorts the examples longest first (stable) and groups them
@@ -49,10 +49,11 @@ import torch
 from outrider.errors import UserError
 from outrider.fsutil import read_json_object
 from outrider.models import cache_parameter, check_aux_ids, parse_dtype, resolve
-from outrider.train.datasets import consecutive_groups
-from outrider.train.int4 import Int4Scheme
-from outrider.train.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
-from outrider.train.weights import (
+from outrider.train.data.datasets import consecutive_groups
+from outrider.train.options import StreamOptions
+from outrider.train.states.int4 import Int4Scheme
+from outrider.train.states.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
+from outrider.train.states.weights import (
     SafetensorsFiles,
     build_tensor,
     decoder_prefix,
@@ -406,7 +407,7 @@ class StreamedTarget:
 
     @property
     def pass_tokens(self) -> int:
-        """Tokens a caller should hand over per call (``outrider.train.cache_capture``'s protocol)."""
+        """Tokens a caller should hand over per call (``outrider.train.states.cache_capture``'s protocol)."""
         return self.tokens_per_pass
 
     # -- capture --------------------------------------------------------------------------------
@@ -545,25 +546,13 @@ class StreamedTarget:
         self.close()
 
 
-def stream_options(args: Any) -> dict[str, Any] | None:
-    """``--stream-layers [--gpu-memory GB] [--tokens-per-pass N]`` -> ``StreamedTarget`` options, or None."""
-    gpu_memory, tokens = getattr(args, "gpu_memory", None), getattr(args, "tokens_per_pass", None)
-    if not getattr(args, "stream_layers", False):
-        if gpu_memory is not None or tokens is not None:
-            raise UserError("--gpu-memory and --tokens-per-pass size layer streaming: add --stream-layers")
-        return None
-    if getattr(args, "device_map", None) is not None:
-        raise UserError("--stream-layers and --device-map are two ways to fit a large target: give one")
-    return {"gpu_memory": gpu_memory, "tokens_per_pass": tokens}
-
-
-def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, args: Any) -> "StreamedTarget | None":
+def streamed_source(target: str, aux_layer_ids: Sequence[int] | None, stream: StreamOptions | None,
+                    device: Any = None) -> "StreamedTarget | None":
     """``outrider capture --stream-layers``: the capture's hidden-state source, or None (load the target)."""
-    options = stream_options(args)
-    if options is None:
+    if stream is None:
         return None
     ids = sorted(aux_layer_ids) if aux_layer_ids is not None else None
-    return StreamedTarget(target, ids, device=getattr(args, "device", None), **options)
+    return StreamedTarget(target, ids, device=device, **stream.as_kwargs())
 
 
 def _event() -> torch.cuda.Event:

@@ -1,6 +1,6 @@
 """The hidden-state cache: what a head's training reads from the target, written once, read many times.
 
-Contract. A cache is a folder (``outrider capture`` writes it, ``outrider.train.cache_capture``):
+Contract. A cache is a folder (``outrider capture`` writes it, ``outrider.train.states.cache_capture``):
 - ``header.json``: ``format`` ``outrider-hidden-cache``, ``version`` 1, ``target`` (name,
   model type, hidden size, layers, vocabulary, ``config_sha256`` of its config.json,
   ``weights_sha256`` of its final norm and first embedding rows, the tokenizer identity of the
@@ -13,7 +13,7 @@ Contract. A cache is a folder (``outrider capture`` writes it, ``outrider.train.
   ``input_ids`` int32 [N], ``loss_mask`` uint8 [N], ``aux`` [N, n_aux, H] (the aux states at
   every position), ``final`` [M, H] (the last decoder state after the final norm at the
   *teacher rows* only: positions ``t`` whose next token is learned, ``loss_mask[t+1] = 1``,
-  the only rows the training-time-test loss reads, ``outrider.train.ttt``); with ``fp8`` the
+  the only rows the training-time-test loss reads, ``outrider.train.loop.ttt``); with ``fp8`` the
   values are ``float8_e4m3fn`` and ``aux_scale`` [N, n_aux, H/block], ``final_scale`` [M, H/block]
   float32 hold one scale per ``block`` values (``block = H``: one per token row and state):
   ``x ~= q * scale``, ``scale = max|x| / 448`` over the block.
@@ -28,9 +28,9 @@ and the manifest: ``CacheWriter(lead=False)`` and ``add``). A finished shard is 
 opens, the token checksum when they read its tokens and the whole file's sha256 the first time
 they read its states; a mismatch is a one-line ``UserError``.
 
-Not done here: running the target (``outrider.train.capture``), the capture loop
-(``outrider.train.cache_capture``), turning stored states into a training batch
-(``outrider.train.features``), the caches of other trainers (``outrider.train.peers``).
+Not done here: running the target (``outrider.train.states.capture``), the capture loop
+(``outrider.train.states.cache_capture``), turning stored states into a training batch
+(``outrider.train.states.features``), the caches of other trainers (``outrider.train.states.peers``).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class Example:
 class CacheWriter:
     """Writes a cache folder shard by shard; resumes one written with the same settings.
 
-    ``lead=False`` (the other ranks of a data-parallel capture, ``outrider.train.capture_ranks``):
+    ``lead=False`` (the other ranks of a data-parallel capture, ``outrider.train.states.capture_ranks``):
     shard files only; the lead, constructed first, has written the header, removed a killed run's
     temporaries and adopted its shards, and lists the others' shards through ``add``."""
 
@@ -380,7 +380,7 @@ def file_sha256(path: Path) -> str:
 
 
 class OutriderCache:
-    """A finished cache folder, opened for training (the reader protocol of ``outrider.train.features``).
+    """A finished cache folder, opened for training (the reader protocol of ``outrider.train.states.features``).
 
     ``examples(split)`` -> (input_ids, loss_mask, ids) of a split; ``read(split, index)`` -> ``Stored``.
     """

@@ -1,4 +1,4 @@
-"""``outrider capture``: a token dataset -> a hidden-state cache (``outrider.train.cache``), resumably.
+"""``outrider capture``: a token dataset -> a hidden-state cache (``outrider.train.states.cache``), resumably.
 
 Contract:
 - ``capture_cache(target, data, out, dtype, ...)`` stores, for every example of both splits of
@@ -9,7 +9,7 @@ Contract:
 - Resumable: a cache folder that holds a header with the same settings is continued at the
   first missing shard; finished shards are never rewritten (``CacheWriter``). Other settings,
   data without loss tokens, or data of another tokenizer are refused with one line.
-- Data-parallel (``ranks``, ``outrider.train.capture_ranks``; ``torchrun --nproc-per-node N``):
+- Data-parallel (``ranks``, ``outrider.train.states.capture_ranks``; ``torchrun --nproc-per-node N``):
   every rank checks the inputs and builds the same header and shard plan (ranks that disagree,
   or more ranks than examples, are refused before anything is written); rank 0 alone opens the
   cache (header, a killed run's leftovers, the manifest), then the missing shards are dealt to
@@ -31,13 +31,13 @@ Contract:
     are unpadded and independent (each starts at position 0);
   * ``__enter__`` / ``__exit__``: the capture enters it once, after the plan and the resume
     check, and leaves it when done or failed.
-  ``ModelSource`` (``outrider.train.capture``: a loaded stock model and hooks) is the default;
+  ``ModelSource`` (``outrider.train.states.capture``: a loaded stock model and hooks) is the default;
   a layer-streamed source plugs in through ``source=``.
 - A shard is written (``CacheWriter``, one thread) while the next one is captured. A progress bar
   shows tokens/s and stored bytes per token; ``CaptureReport`` sums it up.
 
-Not done here: the file format (``outrider.train.cache``), running the model
-(``outrider.train.capture``), training from the cache (``outrider.train.features``).
+Not done here: the file format (``outrider.train.states.cache``), running the model
+(``outrider.train.states.capture``), training from the cache (``outrider.train.states.features``).
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ from outrider.models import (
     resolve,
 )
 from outrider.progress import Bar
-from outrider.train import cache
-from outrider.train.capture import ModelSource, TeacherHead
-from outrider.train.capture_ranks import Ranks, RankStopped, assign, differ, rank_placement
-from outrider.train.datasets import consecutive_groups, load_split, read_manifest
-from outrider.train.target_weights import TargetWeights
+from outrider.train.states import cache
+from outrider.train.states.capture import ModelSource, TeacherHead
+from outrider.train.states.capture_ranks import Ranks, RankStopped, assign, differ, rank_placement
+from outrider.train.data.datasets import consecutive_groups, load_split, read_manifest
+from outrider.train.states.target_weights import TargetWeights
 
 
 @dataclass

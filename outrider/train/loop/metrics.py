@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider.errors import UserError
-from outrider.train import dist
+from outrider.train.loop import dist
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
 
@@ -170,6 +170,14 @@ class StepSums:
         self.tokens = int(packed[3 * s].round())
         self.walk = packed[3 * s + 1:].round().long()
 
+    def state(self) -> dict[str, Any]:
+        """The sums for a checkpoint (read on the host)."""
+        self._read()
+        return {"ce": self.ce, "correct": self.correct, "counted": self.counted, "tokens": self.tokens}
+
+    def load_state(self, w: dict[str, Any]) -> None:
+        self.ce, self.correct, self.counted, self.tokens = w["ce"], w["correct"], w["counted"], int(w["tokens"])
+
     def metrics(self, weights: Sequence[float], tau_k: int) -> dict[str, Any]:
         self._read()
         n = self.counted.clamp_min(1).double()
@@ -185,6 +193,32 @@ class StepSums:
             "positions": int(self.counted[0]),
             "tokens": self.tokens,
         }
+
+
+class Throughput:
+    """One run's training seconds, tokens and FLOPs (resumed time not included), and each step's
+    rates: tokens per second and, where the device's peak is known, MFU."""
+
+    def __init__(self, peak: float | None, world_size: int):
+        self.peak, self.world_size = peak, world_size
+        self.train_s, self.tokens, self.flops = 0.0, 0, 0.0
+
+    def add(self, m: dict[str, Any], dt: float, weights: float, attention: float, total_s: float) -> None:
+        """Counts a step of ``dt`` seconds and writes its rates into its metrics ``m``; ``total_s``: the
+        run's training seconds so far, resumed ones included."""
+        self.train_s += dt
+        self.tokens += m["tokens"]
+        self.flops += weights + attention
+        m["tokens_per_s"], m["train_s"] = round(m["tokens"] / dt, 2), round(total_s, 3)
+        if self.peak:
+            m["mfu"] = round((weights + attention) / (dt * self.peak * self.world_size), 5)
+            m["mfu_weights"] = round(weights / (dt * self.peak * self.world_size), 5)
+
+    def mfu(self) -> float | None:
+        return self.flops / (self.train_s * self.peak * self.world_size) if self.peak and self.train_s > 0 else None
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_s if self.train_s > 0 else 0.0
 
 
 @dataclass

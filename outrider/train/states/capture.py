@@ -12,7 +12,7 @@ Contract:
     vocabulary**, unnormalised: the final hidden state (after the final norm) times the rows
     ``draft_ids`` of the frozen ``lm_head`` (plus its bias, and the final soft-capping where the
     config has one). Row ``t`` is the target's prediction of token ``t+1``. Consumers
-    renormalise over the draft vocabulary (``log_softmax``), as ``outrider.train.ttt`` does.
+    renormalise over the draft vocabulary (``log_softmax``), as ``outrider.train.loop.ttt`` does.
   Full-vocabulary logits are never computed: the decoder runs without its ``lm_head``.
 - Both tensors are in the target's dtype and on its device (``device``, for a target placed
   across devices by accelerate). Nothing goes to disk; the target stays in memory and the hooks
@@ -28,15 +28,15 @@ Contract:
   call**. The graphed forward takes an explicit 4-D mask (causal over real keys, each position
   seeing itself, so no row is empty); larger batches and a capture that fails (noted in
   ``notes``; best effort: a failed capture may leave the allocator's capture state behind) run
-  eager. ``features(batch)`` is the same call on a training ``Batch`` (``outrider.train.features``).
+  eager. ``features(batch)`` is the same call on a training ``Batch`` (``outrider.train.states.features``).
 - The pieces are shared with the cache: ``TeacherHead`` (final states -> the teacher, from a
   loaded target's ``lm_head`` or from rows read elsewhere), ``decoder_states`` (one hooked
   forward: aux and final states), and ``ModelSource``, the in-memory hidden-state source of
-  ``outrider.train.cache_capture`` (per-sequence aux and final states, batched by padded tokens).
+  ``outrider.train.states.cache_capture`` (per-sequence aux and final states, batched by padded tokens).
 
 Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
 of the default model had not finished after eight minutes, and on a tiny float32 target its losses
-drifted from eager by 2.7e-4 relative), writing hidden states to disk (``outrider.train.cache``),
+drifted from eager by 2.7e-4 relative), writing hidden states to disk (``outrider.train.states.cache``),
 quantised targets, tensor- or pipeline-parallel targets, target-side logit transforms other than soft-capping (logit scales, temperature).
 """
 
@@ -169,7 +169,7 @@ class TargetCapture:
 
     def features(self, batch: Any) -> Captured:
         """The features of a training ``Batch`` (``input_ids``, ``attention_mask``), as every feature
-        source gives them (``outrider.train.features``)."""
+        source gives them (``outrider.train.states.features``)."""
         return self(batch.input_ids, batch.attention_mask)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +243,7 @@ def capture(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 class ModelSource:
-    """The in-memory hidden-state source of ``outrider.train.cache_capture``: a stock model and
+    """The in-memory hidden-state source of ``outrider.train.states.cache_capture``: a stock model and
     ``AuxCapture`` hooks. ``states(input_ids)`` runs the sequences (sorted by length, right-padded)
     in batches of at most ``batch_tokens`` padded tokens and returns each one's
     (aux [len, n_aux*H_t], final [len, H_t] after the final norm), on the model's device."""

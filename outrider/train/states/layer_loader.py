@@ -1,7 +1,7 @@
 """Bring one unit of a checkpoint (a decoder layer, the embedding) to the device while the previous one computes.
 
 Contract:
-- A ``Unit`` is a module of the meta skeleton plus its ``Recipe``s (``outrider.train.weights``);
+- A ``Unit`` is a module of the meta skeleton plus its ``Recipe``s (``outrider.train.states.weights``);
   its ``Layout`` places every raw checkpoint tensor it reads at a 256-byte aligned offset of one
   byte buffer, tensors of one kind (all experts' packed gate weights, then their scales, ...)
   side by side so that ``stacked`` views them as one [E, ...] tensor without a copy.
@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from outrider.train.weights import Recipe, SafetensorsFiles, build_tensor
+from outrider.train.states.weights import Recipe, SafetensorsFiles, build_tensor
 
 ALIGN = 256
 PIECE = 64 << 20  # bytes one reader thread reads per call

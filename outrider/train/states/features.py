@@ -1,18 +1,11 @@
 """What the trainer reads of the target: a loaded model (online) or a hidden-state cache.
 
-Contract: the trainer talks to one *target side*, ``OnlineTarget`` or ``CachedTarget``, which gives
-- ``config`` (the target's config, object or dict), ``embedding`` (its frozen input embedding),
-  ``lm_rows(ids)`` and ``norm_weight()`` (to start a head from the target's), ``splits``
-  (``train``/``eval`` ``TokenDataset``s; ``eval`` may be None);
-- ``flops_per_token(extra)`` and ``attention_flops(pairs)``: what the target side costs per
-  training token, for the MFU (online: the target's forward; from a cache: only the teacher's
-  projection, ``extra`` = draft rows x H multiply-adds, and no attention);
-- ``feature_source(aux_layer_ids, vocab, cfg)``: a context manager whose ``features(batch)`` gives
-  ``Captured(aux [B, S, 3H], teacher [B, S, draft_vocab])`` for a training ``Batch``.
+Contract: two of the trainer's target sides (``side.TargetSide``), opened by ``open_target``:
+``OnlineTarget`` (features from the target's forward, per batch) and ``CachedTarget``.
 ``CachedTarget`` never builds the target: it reads the embedding, the lm_head rows of the draft
 vocabulary and (for states stored before it) the final norm lazily from the target's
-safetensors (``TargetWeights``). Its cache is ours (``outrider.train.cache``) or a peer's
-(``outrider.train.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
+safetensors (``TargetWeights``). Its cache is ours (``outrider.train.states.cache``) or a peer's
+(``outrider.train.states.peers``: SpecForge, speculators/vLLM, hs-connectors fp8); the format is
 detected from the files. Its examples are addressed by ``Batch.indices``: a split's datasets
 number them ``train`` first, then ``eval``. A cache of another target (config, weights or
 tokenizer), of other aux ids, or without loss tokens is refused with one line. Without
@@ -22,7 +15,7 @@ our convention (SpecForge's ``[1, L//2-1, L-4]``), which the notes say.
 Teacher rows a cache does not hold are left zero: the TTT loss reads only the teacher rows of
 positions whose next token is learned, and those are stored.
 
-Not done here: the loss (``ttt``), the loop (``trainer``), writing caches (``cache_capture``).
+Not done here: the loss and the loop (``outrider.train.loop``), writing caches (``cache_capture``).
 """
 
 from __future__ import annotations
@@ -43,17 +36,19 @@ from outrider.models import (
     parse_dtype,
     resident_weight,
 )
-from outrider.train import flops, peers
-from outrider.train.cache import OutriderCache, dequantize, topk_teacher
-from outrider.train.cache_capture import target_identity
-from outrider.train.capture import Captured, TargetCapture, TeacherHead
-from outrider.train.datasets import Batch, TokenDataset, load_split, to_device
-from outrider.train.target_weights import TargetWeights
+from outrider.train.data.datasets import Batch, BatchCursor, TokenDataset, load_split, to_device
+from outrider.train.loop import flops
+from outrider.train.states import peers
+from outrider.train.states.cache import OutriderCache, dequantize, topk_teacher
+from outrider.train.states.cache_capture import target_identity
+from outrider.train.states.capture import Captured, TargetCapture, TeacherHead
+from outrider.train.states.side import TargetSide
+from outrider.train.states.target_weights import TargetWeights
 
 
 def open_target(target: str, data: str | None, cache: str | None, device: torch.device, dtype: Any, loaded: Any,
                 aux_layer_ids: Sequence[int] | None,
-                placement: tuple[Any, Any] = (None, None)) -> "OnlineTarget | CachedTarget":
+                placement: tuple[Any, Any] = (None, None)) -> TargetSide:
     """The target side of a run: ``cache`` read with the target's few tensors, or the target loaded
     (``loaded``: a model or ``(model, tokenizer)`` already in memory; ``placement``: accelerate's
     ``(device_map, offload_folder)``) after its ``data`` (a bad directory fails fast)."""
@@ -120,6 +115,9 @@ class OnlineTarget:
 
     def attention_flops(self, pairs: int) -> float:
         return flops.target_attention_flops(self.model.config, pairs)
+
+    def follow(self, cursor: BatchCursor) -> BatchCursor:
+        return cursor
 
     def feature_source(self, aux_layer_ids: Sequence[int], vocab: Any, cfg: Any) -> TargetCapture:
         return TargetCapture(self.model, aux_layer_ids, vocab.draft_ids, graphs=cfg.graph_target,
@@ -218,6 +216,9 @@ class CachedTarget:
 
     def attention_flops(self, pairs: int) -> float:
         return 0.0
+
+    def follow(self, cursor: BatchCursor) -> BatchCursor:
+        return cursor
 
     def feature_source(self, aux_layer_ids: Sequence[int], vocab: Any, cfg: Any) -> "CachedFeatures":
         ids = vocab.draft_ids

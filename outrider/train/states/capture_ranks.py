@@ -8,7 +8,7 @@ Contract:
   missing shard. Every rank computes the same deal; the shard plan itself (``cache_capture``)
   never depends on N, so the cache is the same whatever N, and a rerun with another N deals
   what is still missing.
-- ``Ranks(env)`` (``outrider.train.dist.DistEnv``; None: one process). ``exchange(payload)``: a
+- ``Ranks(env)`` (``outrider.train.loop.dist.DistEnv``; None: one process). ``exchange(payload)``: a
   JSON-able dict from every rank, all of them returned in rank order on every rank (raw bytes
   over the process group, or a gloo group beside NCCL; nothing unpickled). ``settle(error,
   **payload)`` is where the ranks meet: with no error anywhere it returns the payloads;
@@ -28,8 +28,8 @@ Contract:
 - ``differ(replies, key)``: which fields of ``replies[r][key]`` (a dict) differ from rank 0's,
   per rank: ranks started with different commands are refused before anything is written.
 
-Not done here: capturing or writing shards (``outrider.train.cache_capture``, ``cache``), the
-process group itself (``outrider.train.dist``), signals.
+Not done here: capturing or writing shards (``outrider.train.states.cache_capture``, ``cache``), the
+process group itself (``outrider.train.loop.dist``), signals.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from outrider.errors import UserError
-from outrider.train import dist
+from outrider.train.loop import dist
 
 
 class RankStopped(UserError):

@@ -1,6 +1,6 @@
 """The learning-rate schedule: linear warm-up, then a cosine to ``min_lr_ratio`` over the steps or
 the time budget, whichever runs out first. Pure arithmetic on a ``TrainConfig``; the optimizer's
-``LambdaLR`` calls it (``outrider.train.trainer``)."""
+``LambdaLR`` calls it (``outrider.train.loop.trainer``)."""
 
 from __future__ import annotations
 

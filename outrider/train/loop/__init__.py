@@ -1,0 +1,1 @@
+"""The training loop: trainer, training-time test, losses, metrics, logs, checkpoints, processes."""
