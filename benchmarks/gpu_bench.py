@@ -13,14 +13,14 @@ import time
 
 import torch
 
-from outrider.bench import bench, load_prompts
+from outrider.bench.local import bench, load_prompts
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
 
 
 def time_hf(model, prompts, max_new, eos, pad):
-    from outrider.bench import _hf_generate
+    from outrider.bench.local import _hf_generate
 
     _hf_generate(model, prompts[:1], 1, 8, eos, pad)
     outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
@@ -34,7 +34,7 @@ def time_hf_compiled(model, prompts, max_new, eos, pad, budget_s=240):
         model.generation_config.cache_implementation = "static"
         fwd = model.forward
         model.forward = torch.compile(fwd, mode="reduce-overhead", fullgraph=False)
-        from outrider.bench import _hf_generate
+        from outrider.bench.local import _hf_generate
 
         for _ in range(2):
             _hf_generate(model, prompts[:1], 1, max_new, eos, pad)

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from outrider.bench import load_prompts, repeated_ngrams
+from outrider.bench.local import load_prompts, repeated_ngrams
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.errors import UserError

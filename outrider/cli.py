@@ -75,7 +75,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from outrider.bench import build_proposer, render_prompt
+    from outrider.bench.local import build_proposer, render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.sampling import SamplingParams
     from outrider.models import load_model
@@ -97,12 +97,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from outrider.bench import bench
+    from outrider.bench.local import bench
     from outrider.outputs import check_file
 
     check_file(a.json, "bench")
     if a.server or a.compare:
-        from outrider.served.command import bench_served, compare_files
+        from outrider.bench.served.command import bench_served, compare_files
 
         if a.compare:
             compare_files(a.compare[0], a.compare[1], console=_console(a.json), json_path=a.json)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import outrider.decode.engine as engine_module
-from outrider.bench import bench, verdict_cell
+from outrider.bench.local import bench, verdict_cell
 from outrider.decode.verify import VerifyResult, verify_greedy
-from outrider.verdict import Verdict, first_difference, judge, noise_bound
+from outrider.bench.verdict import Verdict, first_difference, judge, noise_bound
 
 PROMPTS = "Name three primary colors.\nWrite a haiku about the sea.\nWhat is 12 times 7?\n"
 

@@ -53,7 +53,7 @@ from outrider.fsutil import read_text, write_json_output
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
-from outrider.verdict import judge
+from outrider.bench.verdict import judge
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
 MAX_PROMPT_TOKENS = 512  # bench's --max-prompt-tokens default

@@ -46,7 +46,7 @@ class LocalRun:
 
 def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str | None = None, k: int = 3,
               device: str | None = None, dtype: str | None = None) -> LocalRun:
-    from outrider.bench import render_prompt
+    from outrider.bench.local import render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.proposers.eagle3 import Eagle3Proposer
     from outrider.models import load_model

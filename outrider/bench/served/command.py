@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import read_json, write_json_output
-from outrider.served import bench as served
-from outrider.served import offline
+from outrider.bench.served import measure as served
+from outrider.bench.served import offline
 
 
 def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | None, texts: Sequence[str],
@@ -51,7 +51,7 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
                  timeout: float = 60.0, method: str = "eagle3", target: str | None = None, draft: str | None = None,
                  k: int = 3, device: str | None = None, dtype: str | None = None, json_path: str | None = None,
                  console=None, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    from outrider.bench import prompt_texts
+    from outrider.bench.local import prompt_texts
 
     texts = prompt_texts(prompts, num_prompts)
     if len(texts) < num_prompts:  # nothing shortened in silence: the records hold how many ran
