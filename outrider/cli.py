@@ -37,6 +37,7 @@ from outrider.cliargs import (
     stderr_line,
     user_os_error,
 )
+from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.signals import Interrupted, Signals
@@ -298,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --stream-layers: tokens per pass through the weights (default 262144 on CUDA)")
 
     def decoding(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--method", default="ar", choices=["ar", "ngram", "draft", "eagle3"],
-                        help="ar | ngram | draft (--draft: a draft model) | eagle3 (--draft: an EAGLE-3 head)")
+        sp.add_argument("--method", default="ar", choices=list(PROPOSERS),
+                        help=" | ".join(name + {"model": " (--draft: a draft model)", "head": " (--draft: an EAGLE-3 head)"}
+                                        .get(m.needs, "") for name, m in PROPOSERS.items()))
         sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
         sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
         sp.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt (>= 1)")

@@ -36,26 +36,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.cliargs import os_error_line
 from outrider.decode.engine import (
     GenerationResult,
     SpecEngine,
     check_pair,
     eos_token_ids,
 )
+from outrider.decode.proposers import PROPOSERS
 from outrider.decode.proposers.base import Proposer
-from outrider.decode.proposers.draft_model import DraftModelProposer
-from outrider.decode.proposers.eagle3 import Eagle3Proposer
-from outrider.decode.proposers.ngram import NgramProposer
 from outrider.decode.sampling import SamplingParams
 from outrider.errors import UserError, require
-from outrider.fsutil import read_text, write_json_output
+from outrider.fsutil import os_error_line, read_text, write_json_output
+from outrider.heads.checkpoint import load_head
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
 from outrider.bench.verdict import judge
 
-METHODS = ("ar", "ngram", "draft", "eagle3")
+METHODS = tuple(PROPOSERS)
 MAX_PROMPT_TOKENS = 512  # bench's --max-prompt-tokens default
 
 
@@ -183,19 +181,27 @@ def _prompt_file(path: Path) -> list[str]:
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
                    device: torch.device | None = None, dtype: torch.dtype | None = None,
                    ngram_min: int = 1, ngram_max: int = 4) -> Proposer | None:
-    """The proposer for ``method``; ``draft`` names a draft model or an EAGLE-3 head."""
+    """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
+    or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
     require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    if method == "ar":
-        return None
-    if method == "ngram":
-        return NgramProposer(ngram_min, ngram_max)
-    require(draft is not None, f"--method {method} needs --draft")
-    if method == "draft":
-        dmodel, dtok = load_model(draft, device=device, dtype=dtype)
-        check_pair(target, dmodel, tokenizer, dtok)
-        return DraftModelProposer(dmodel)
+    spec = PROPOSERS[method]
+    built = None
+    if spec.needs is not None:
+        require(draft is not None, f"--method {method} needs --draft")
+    if spec.needs == "model":
+        built, dtok = load_model(draft, device=device, dtype=dtype)
+        check_pair(target, built, tokenizer, dtok)
+    elif spec.needs == "head":
+        built = load_eagle3_head(draft, target, device=device)
+    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max)
 
-    return Eagle3Proposer.load(draft, target, device=device)
+
+def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None
+                     ) -> torch.nn.Module:
+    """The EAGLE-3 head at ``path``, checked against ``target``, on its device and dtype, frozen."""
+    head, _ = load_head(path, target_config=target.config)
+    param = next(target.parameters())
+    return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
 
 
 def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None

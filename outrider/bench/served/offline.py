@@ -46,7 +46,7 @@ class LocalRun:
 
 def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str | None = None, k: int = 3,
               device: str | None = None, dtype: str | None = None) -> LocalRun:
-    from outrider.bench.local import render_prompt
+    from outrider.bench.local import load_eagle3_head, render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.proposers.eagle3 import Eagle3Proposer
     from outrider.models import load_model
@@ -58,7 +58,8 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
     out_ids = [plain.generate([p], max_new_tokens).tokens[0] for p in prompts]
     run = LocalRun(prompts, [tok.decode(o, skip_special_tokens=True) for o in out_ids], out_ids)
     if draft is not None:
-        spec = SpecEngine(model, Eagle3Proposer.load(draft, model), k=k, eos_ids=eos, graphs=False, compile=False)
+        head = load_eagle3_head(draft, model)
+        spec = SpecEngine(model, Eagle3Proposer(head, model), k=k, eos_ids=eos, graphs=False, compile=False)
         results = [spec.generate([p], max_new_tokens) for p in prompts]
         row_steps = sum(r.row_steps for r in results)
         accepted = [sum(r.accepted[i] for r in results) for i in range(k)]

@@ -60,6 +60,12 @@ class Proposer:
     # host value), so the engine may run whole rounds on the device (``outrider.spec_rounds``)
     device_rounds = False
 
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: object = None, **options: object) -> "Proposer":
+        """The registry's constructor (``proposers.PROPOSERS``): ``draft`` is what the method needs,
+        built by the caller (a model, a head); ``options`` the method's own settings."""
+        return cls()
+
     def start(self, ctx: StartContext) -> None:
         self.ctx = ctx
 

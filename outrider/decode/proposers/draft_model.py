@@ -25,6 +25,10 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, **options: object) -> "DraftModelProposer":
+        return cls(draft)
+
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
         B = len(ctx.histories)

@@ -26,15 +26,12 @@ Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled draftin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from outrider.decode.graphs import capture_graph, compiled
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
-from outrider.heads.checkpoint import load_head
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
 # for the draft step's scores
@@ -99,11 +96,8 @@ class Eagle3Proposer(Proposer):
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
     @classmethod
-    def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
-        head, _ = load_head(path, target_config=target.config)
-        param = next(target.parameters())
-        head = head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
-        return cls(head, target)
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, **options: object) -> "Eagle3Proposer":
+        return cls(draft, target)
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)

@@ -37,6 +37,11 @@ class NgramProposer(Proposer):
         require(1 <= min_n <= max_n, f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: object = None, ngram_min: int = 1, ngram_max: int = 4,
+              **options: object) -> "NgramProposer":
+        return cls(ngram_min, ngram_max)
+
     def propose(self, k: int) -> Draft:
         rows = [ngram_lookup(h, k, self.min_n, self.max_n) for h in self.ctx.histories]
         B = len(rows)
