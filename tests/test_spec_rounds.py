@@ -52,7 +52,7 @@ class Scripted(Proposer):
 
     def propose(self, k: int) -> Draft:
         tokens = self.propose_device(k)
-        return Draft(tokens, torch.full((tokens.shape[0],), k, device=tokens.device))
+        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=tokens.device))
 
     def observe(self, outcome: Outcome) -> None:
         self.pos += torch.where(outcome.active, outcome.num_accepted + 1, 0)

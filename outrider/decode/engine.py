@@ -297,7 +297,7 @@ class SpecEngine:
             draft.num = torch.where(active, draft.num, torch.zeros_like(draft.num))
         else:
             marks.mark("propose")
-            draft = Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
+            draft = Draft.chain(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
         marks.mark("verify")
         inputs = torch.cat([last[:, None], draft.tokens], dim=1)  # [batch, k+1]
         logits = target.forward(inputs)  # [batch, k+1, vocab]

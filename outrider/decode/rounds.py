@@ -121,7 +121,7 @@ class DeviceRounds:
 
     def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> None:
         """Feed the round's outcome to the proposer and draft the next round."""
-        self.proposer.observe(Outcome(Draft(self.draft, num), n_acc, tokens, self.active, aux))
+        self.proposer.observe(Outcome(Draft.chain(self.draft, num), n_acc, tokens, self.active, aux))
         self.draft.copy_(self.proposer.propose_device(self.k))
 
     def _state(self) -> Sequence[torch.Tensor]:

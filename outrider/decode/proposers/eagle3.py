@@ -258,7 +258,7 @@ class Eagle3Proposer(Proposer):
             tokens, q = self._replay(aux, nxt, valid, k, prompt), None
         else:
             tokens, q = self._chain(aux, nxt, valid, k, prompt)
-        return Draft(tokens, torch.full((B,), k, device=self.dev), q)
+        return Draft.chain(tokens, torch.full((B,), k, device=self.dev), q)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""

@@ -50,4 +50,4 @@ class NgramProposer(Proposer):
         for b, cont in enumerate(rows):
             tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.long)
             num[b] = len(cont)
-        return Draft(tokens.to(self.ctx.device), num.to(self.ctx.device), None)
+        return Draft.chain(tokens.to(self.ctx.device), num.to(self.ctx.device), None)
