@@ -17,7 +17,7 @@ from test_engine import _hf_greedy, _prompts
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
-from outrider.decode.rounds import DeviceRounds, _accept_round
+from outrider.decode.strategies.rounds import DeviceRounds, _accept_round
 
 MAX_NEW = 30
 

@@ -41,7 +41,7 @@ import torch
 from outrider.decode.graphs import CompileOptions, compile_options
 from outrider.decode.kv_cache import static_cache
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
-from outrider.decode.rounds import DeviceRounds
+from outrider.decode.strategies.rounds import DeviceRounds
 from outrider.decode.runner import (
     PROMPT_BUCKET,
     CachedLM,
