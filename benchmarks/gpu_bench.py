@@ -73,7 +73,7 @@ def main():
         eng.generate(prompts[:1], 8)
         t = time.perf_counter()
         outs = [eng.generate([p], a.max_new_tokens) for p in prompts]
-        eng._sync()
+        eng.sync()
         s = time.perf_counter() - t
         n = sum(r.new_tokens for r in outs)
         key = "ours_graphs" if graphs else "ours_eager"

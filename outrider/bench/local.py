@@ -36,15 +36,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.decode.engine import (
-    GenerationResult,
-    SpecEngine,
-    check_pair,
-    eos_token_ids,
-)
+from outrider.decode.engine import SpecEngine, check_pair, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
 from outrider.decode.proposers.base import Proposer
 from outrider.decode.sampling import SamplingParams
+from outrider.decode.state import GenerationResult
 from outrider.errors import UserError, require
 from outrider.fsutil import os_error_line, read_text, write_json_output
 from outrider.heads.checkpoint import load_head
@@ -204,14 +200,14 @@ def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.de
     return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
 
 
-def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None
-         ) -> tuple[list[list[int]], float, list[GenerationResult]]:
+def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None,
+         k: int | None = None) -> tuple[list[list[int]], float, list[GenerationResult]]:
     """Generate batch by batch; the seconds count generation only (the bar draws between batches)."""
     outs, results, seconds = [], [], 0.0
     for i in range(0, len(prompts), batch_size):
         t0 = time.perf_counter()
-        r = engine.generate(prompts[i:i + batch_size], max_new)
-        engine._sync()  # the batch's tokens are on the host already: this waits for nothing more
+        r = engine.generate(prompts[i:i + batch_size], max_new, k=k)
+        engine.sync()  # the batch's tokens are on the host already: this waits for nothing more
         seconds += time.perf_counter() - t0
         outs.extend(r.tokens)
         results.append(r)
@@ -327,7 +323,6 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     compile = dev.type == "cuda" if compile is None else compile  # the fast path by default on CUDA
     if engines is not None:
         ar, spec = engines
-        spec.k = k if spec.proposer is not None else 0
         proposer = spec.proposer
         graphs = spec.graphs
     else:
@@ -345,13 +340,13 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
 
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         if engine.graphs or engine.compile:  # a batch of the longest requests sizes the pooled cache:
-            engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens)  # no capture or
+            engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens, k=k)  # no capture or
             # compilation inside the timing; with graphs every batch's prompt width (its forward,
             # the first draft) is captured too
             if engine.graphs:
-                _run(engine, prompt_ids, batch_size, min(2, max_new_tokens))
+                _run(engine, prompt_ids, batch_size, min(2, max_new_tokens), k=k)
         else:
-            engine.generate(prompt_ids[:1], min(8, max_new_tokens))
+            engine.generate(prompt_ids[:1], min(8, max_new_tokens), k=k)
         done(f"warm-up of the {'autoregressive' if engine.proposer is None else method} engine")
     batches = -(-len(prompt_ids) // batch_size)
     with Bar(progress, f"bench {method} vs ar", batches * (2 * repeats + hf_baseline), manual=True) as bar:
@@ -368,12 +363,12 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
                 bar.advance()
         else:
             ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens, bar)
-        sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens, bar)
+        sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens, bar, k=k)
         passes = [((ar_out, ar_s, ar_res), (sp_out, sp_s, sp_res))]
         done(f"pass 1 of {repeats}")
         for i in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
             passes.append((_run(ar, prompt_ids, batch_size, max_new_tokens, bar),
-                           _run(spec, prompt_ids, batch_size, max_new_tokens, bar)))
+                           _run(spec, prompt_ids, batch_size, max_new_tokens, bar, k=k)))
             done(f"pass {i + 2} of {repeats}")
     sp_tokens = sum(len(t) for t in sp_out)
     m = _merge([r for _, (_, _, res) in passes for r in res])

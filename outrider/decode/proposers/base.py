@@ -50,7 +50,6 @@ class StartContext:
     prompt_lens: torch.Tensor  # [batch]
     last: torch.Tensor  # [batch] the first emitted token (not yet in any cache)
     sampling: SamplingParams
-    k: int
     max_len: int  # cache slots a proposer's own cache needs for this request batch
     target_aux: torch.Tensor | None = None  # [batch, W >= P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -76,7 +75,7 @@ class Proposer:
     # has read the step's outcome (``Outcome.active`` is then the rows active during the step)
     device_side = False
     # True: ``propose_device`` drafts greedily with plain device operations (no graph replay, no
-    # host value), so the engine may run whole rounds on the device (``outrider.spec_rounds``)
+    # host value), so the engine may run whole rounds on the device (``decode.strategies.rounds``)
     device_rounds = False
 
     @classmethod

@@ -119,7 +119,6 @@ class Eagle3Proposer(Proposer):
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
         if self._offsets and self._offsets[0].device != self.dev:  # moved: graphs of the old device are not replayed
             self._offsets = []
-        self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
         self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
                                                                   self._link_greedy)
         if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
@@ -252,6 +251,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, k: int) -> Draft:
         aux, nxt, valid = self.pending
         B = nxt.shape[0]
+        self._offset(max(k - 2, 0))  # the chain's offsets exist before any graph is captured
         prompt, self._prompt_pending = self._prompt_pending, False
         # after the first step every pending block is k+1 wide; a prompt's is padded (``start``)
         if self.use_graphs and (self._prompt_graph if prompt else nxt.shape[1] == k + 1):
@@ -262,6 +262,7 @@ class Eagle3Proposer(Proposer):
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""
+        self._offset(max(k - 2, 0))
         prompt, self._prompt_pending = self._prompt_pending, False
         return self._chain(*self.pending, k, prompt)[0]
 
