@@ -20,10 +20,10 @@ from outrider.models import load_model
 
 
 def time_hf(model, prompts, max_new, eos, pad):
-    from outrider.bench.local import _hf_generate
+    from outrider.bench.local import hf_generate
 
-    _hf_generate(model, prompts[:1], 1, 8, eos, pad)
-    outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
+    hf_generate(model, prompts[:1], 1, 8, eos, pad)
+    outs, s = hf_generate(model, prompts, 1, max_new, eos, pad)
     return sum(len(o) for o in outs) / s, outs
 
 
@@ -34,13 +34,13 @@ def time_hf_compiled(model, prompts, max_new, eos, pad, budget_s=240):
         model.generation_config.cache_implementation = "static"
         fwd = model.forward
         model.forward = torch.compile(fwd, mode="reduce-overhead", fullgraph=False)
-        from outrider.bench.local import _hf_generate
+        from outrider.bench.local import hf_generate
 
         for _ in range(2):
-            _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
+            hf_generate(model, prompts[:1], 1, max_new, eos, pad)
         if time.perf_counter() - t0 > budget_s:
             return None, "compile warm-up over budget"
-        outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
+        outs, s = hf_generate(model, prompts, 1, max_new, eos, pad)
         return sum(len(o) for o in outs) / s, outs
     except Exception as e:  # report, keep the rest of the benchmark
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

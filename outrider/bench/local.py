@@ -19,7 +19,7 @@ fewer prompts than asked is a notice, and ``num_prompts`` is what ran. Throughpu
 With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
 batch, so that a machine whose speed drifts during the run cannot favour either.
 
-Not done here: server-level load tests, latency percentiles under concurrency.
+Not done here: server-level load tests, latency percentiles under concurrency (``bench.served``).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new:
     return outs, seconds, results
 
 
-def _hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
+def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
                  pad_id: int) -> tuple[list[list[int]], float]:
     outs = []
     dev = next(model.parameters()).device
@@ -352,13 +352,13 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     with Bar(progress, f"bench {method} vs ar", batches * (2 * repeats + hf_baseline), manual=True) as bar:
         if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-            _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+            hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
             done("warm-up of transformers' generate")
             ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
             for i in range(0, len(prompt_ids), batch_size):
                 out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, bar)
                 ar_out, ar_s, ar_res = ar_out + out, ar_s + s, ar_res + res
-                out, s = _hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
+                out, s = hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
                 hf_out, hf_s = hf_out + out, hf_s + s
                 bar.advance()
         else:

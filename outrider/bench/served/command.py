@@ -1,14 +1,14 @@
 """``outrider bench --server`` / ``--compare`` as one call: measure, compare with here, print, write.
 
-Contract: ``bench_served(...)`` draws the prompts (``outrider.bench.prompt_texts``: held-out
-ShareGPT or a prompt file), runs ``served.bench.served_bench`` (records written after every
+Contract: ``bench_served(...)`` draws the prompts (``bench.local.prompt_texts``: held-out
+ShareGPT or a prompt file), runs ``served.measure.served_bench`` (records written after every
 level), and, given the ``target``, decodes the same prompts here (``served.offline``): the served
 greedy outputs against ours (``outputs_equal_local`` on each record), and with ``draft`` the
 head's walked tau against the served one (``served_vs_offline`` with inspect's findings). The
 records are rewritten with those fields, then the table and verdicts are printed.
 ``compare_files(a, b)`` reads two earlier runs and prints the first's speedup over the second.
 
-Not done here: the measuring itself (``served.bench``), parsing flags (``outrider.cli``).
+Not done here: the measuring itself (``served.measure``), parsing flags (``outrider.cli``).
 """
 
 from __future__ import annotations

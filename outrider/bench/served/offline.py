@@ -2,7 +2,7 @@
 
 Contract:
 - ``local_run(target, texts, max_new_tokens, draft=None, k=3)`` loads the target once, renders
-  each prompt with its chat template (``outrider.bench.render_prompt``, as the server's chat
+  each prompt with its chat template (``bench.local.render_prompt``, as the server's chat
   endpoint does), and decodes greedily with our engine at batch 1: the plain outputs (text and
   ids) and, with ``draft`` (an EAGLE-3 head folder), the head's walked tau and acceptance per
   position over the same prompts at ``k`` (our engine's decode: every step's accepted drafts).
@@ -15,7 +15,7 @@ Contract:
   them, draft options such as ``norm_before_residual`` and sliding windows, ``d2t``, the
   tokenizer and chat template, weights) and names the checks to run by hand when none is found.
 
-Not done here: the served measurement (``served.bench``), sampled decoding, trees.
+Not done here: the served measurement (``served.measure``), sampled decoding, trees.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """EAGLE-3 drafting: a chain of k tokens from the head, fed with the target's own hidden states.
 
 Contract: the head at position t reads the target's fused aux states at t and the token at t+1,
-and predicts the token at t+2 (``outrider.head``). After every verification the target's aux
+and predicts the token at t+2 (``heads.eagle3``). After every verification the target's aux
 states of the committed positions, paired with the tokens that follow them, are *pending*; the
 next ``propose`` feeds them to the head (ragged per row, right-aligned, padding masked), which
 yields the first draft token; steps 2..k feed back the head's own ``hidden_out`` and last draft
