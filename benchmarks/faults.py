@@ -213,7 +213,7 @@ CASES = [
     Case("bench", "--json unwritable after measuring", ["bench", "{target}", "--method", "ngram", "--k", "3",
                                                         "--max-new-tokens", "8", "--num-prompts", "2", "--prompts",
                                                         "{prompts}", "--json", "{tmp}/b.json", "--quiet"],
-         inject=("outrider.bench.write_json_output", "EROFS")),
+         inject=("outrider.bench.local.write_json_output", "EROFS")),
     Case("bench", "--json on a read-only mount", ["bench", "{target}", "--prompts", "{prompts}", "--json",
                                                   "{ro}/b.json"], needs_mount=True),
     Case("bench", "--k 100 --max-new-tokens 8", ["bench", "{target}", "--method", "ngram", "--k", "100",

@@ -13,17 +13,17 @@ import time
 
 import torch
 
-from outrider.bench import bench, load_prompts
+from outrider.bench.local import bench, load_prompts
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_model
 
 
 def time_hf(model, prompts, max_new, eos, pad):
-    from outrider.bench import _hf_generate
+    from outrider.bench.local import hf_generate
 
-    _hf_generate(model, prompts[:1], 1, 8, eos, pad)
-    outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
+    hf_generate(model, prompts[:1], 1, 8, eos, pad)
+    outs, s = hf_generate(model, prompts, 1, max_new, eos, pad)
     return sum(len(o) for o in outs) / s, outs
 
 
@@ -34,13 +34,13 @@ def time_hf_compiled(model, prompts, max_new, eos, pad, budget_s=240):
         model.generation_config.cache_implementation = "static"
         fwd = model.forward
         model.forward = torch.compile(fwd, mode="reduce-overhead", fullgraph=False)
-        from outrider.bench import _hf_generate
+        from outrider.bench.local import hf_generate
 
         for _ in range(2):
-            _hf_generate(model, prompts[:1], 1, max_new, eos, pad)
+            hf_generate(model, prompts[:1], 1, max_new, eos, pad)
         if time.perf_counter() - t0 > budget_s:
             return None, "compile warm-up over budget"
-        outs, s = _hf_generate(model, prompts, 1, max_new, eos, pad)
+        outs, s = hf_generate(model, prompts, 1, max_new, eos, pad)
         return sum(len(o) for o in outs) / s, outs
     except Exception as e:  # report, keep the rest of the benchmark
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -73,7 +73,7 @@ def main():
         eng.generate(prompts[:1], 8)
         t = time.perf_counter()
         outs = [eng.generate([p], a.max_new_tokens) for p in prompts]
-        eng._sync()
+        eng.sync()
         s = time.perf_counter() - t
         n = sum(r.new_tokens for r in outs)
         key = "ours_graphs" if graphs else "ours_eager"

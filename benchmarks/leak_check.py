@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from outrider import sharegpt
-from outrider.bench import prompt_texts
+from outrider.bench.local import prompt_texts
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
 from outrider.models import load_tokenizer

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.bench import bench, build_proposer
+from outrider.bench.local import bench, build_proposer
 from outrider.provenance import git_commit
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json

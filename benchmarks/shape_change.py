@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from outrider.bench import load_prompts
+from outrider.bench.local import load_prompts
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers.ngram import NgramProposer
 from outrider.errors import UserError

@@ -39,6 +39,7 @@ from outrider.cliargs import (
     train_options,
     user_os_error,
 )
+from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.interop.formats import FORMATS
@@ -78,7 +79,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from outrider.bench import build_proposer, render_prompt
+    from outrider.bench.local import build_proposer, render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.sampling import SamplingParams
     from outrider.models import load_model
@@ -100,12 +101,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from outrider.bench import bench
+    from outrider.bench.local import bench
     from outrider.outputs import check_file
 
     check_file(a.json, "bench")
     if a.server or a.compare:
-        from outrider.served.command import bench_served, compare_files
+        from outrider.bench.served.command import bench_served, compare_files
 
         if a.compare:
             compare_files(a.compare[0], a.compare[1], console=_console(a.json), json_path=a.json)
@@ -298,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --stream-layers: tokens per pass through the weights (default 262144 on CUDA)")
 
     def decoding(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--method", default="ar", choices=["ar", "ngram", "draft", "eagle3"],
-                        help="ar | ngram | draft (--draft: a draft model) | eagle3 (--draft: an EAGLE-3 head)")
+        sp.add_argument("--method", default="ar", choices=list(PROPOSERS),
+                        help=" | ".join(name + {"model": " (--draft: a draft model)", "head": " (--draft: an EAGLE-3 head)"}
+                                        .get(m.needs, "") for name, m in PROPOSERS.items()))
         sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
         sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
         sp.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt (>= 1)")

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
-from outrider.fsutil import USER_ERRNOS, os_error_line  # noqa: F401  (os_error_line: the CLI's, kept here)
+from outrider.fsutil import USER_ERRNOS
 
 if TYPE_CHECKING:
     from outrider.train.options import StreamOptions, TrainOptions
@@ -207,14 +208,15 @@ def _check_decoding(a: argparse.Namespace) -> None:
     if a.k > a.max_new_tokens:
         raise UserError(f"--k {a.k} exceeds --max-new-tokens {a.max_new_tokens}: a step cannot emit more tokens "
                         "than are asked for; lower --k")
-    if a.method in ("draft", "eagle3"):
+    needs = PROPOSERS[a.method].needs
+    if needs is not None:
         if a.draft is None:
             raise UserError(f"--method {a.method} needs --draft")
         kind = draft_kind(a.draft)
-        if a.method == "eagle3" and kind == "model":
+        if needs == "head" and kind == "model":
             raise UserError(f"--draft {a.draft} is a full model, not an EAGLE-3 head: use --method draft for a "
                             "draft model")
-        if a.method == "draft" and kind == "head":
+        if needs == "model" and kind == "head":
             raise UserError(f"--draft {a.draft} is an EAGLE-3 head, not a draft model: use --method eagle3")
 
 

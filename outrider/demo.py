@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.bench import bench, print_table, verdict_cell
+from outrider.bench.local import bench, print_table, verdict_cell
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.sampling import SamplingParams

@@ -45,7 +45,7 @@ def test_bench_writes_a_lossless_record_with_the_transformers_baseline(tiny_dir,
 
 
 def test_repeated_ngrams_counts_the_continuations_repeats():
-    from outrider.bench import repeated_ngrams
+    from outrider.bench.local import repeated_ngrams
 
     assert repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4, 5]) == (1, 6)  # (1, 2, 3, 4) comes back once
     assert repeated_ngrams([], [7, 7, 7, 7, 7, 7]) == (2, 3)  # a loop: every 4-gram after the first
@@ -73,7 +73,7 @@ def test_bench_missing_target_folder(tmp_path, capsys):
 def test_bench_logs_each_phase_as_it_ends(tiny_dir, prompts):
     """``log`` hears of the warm-ups (where compilation and capture happen) and of every pass, in
     order, so that a benchmark cut by a time limit still says how far it got."""
-    from outrider.bench import bench
+    from outrider.bench.local import bench
 
     lines: list[str] = []
     record = bench(str(tiny_dir("llama")), "ngram", k=2, num_prompts=2, prompts=str(prompts), max_new_tokens=6,

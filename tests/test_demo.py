@@ -65,7 +65,7 @@ def test_training_exchanges_hold_out_benchmark_prompts(tmp_path):
 
 def test_the_summary_shows_each_rows_lossless_verdict(tmp_path):
     from outrider.demo import _summary
-    from outrider.verdict import Verdict
+    from outrider.bench.verdict import Verdict
 
     paired = _record([0.6, 0.4], verify_ms=1.4, draft_ms=0.3, k=2)
     paired.update(ar_tokens_per_s=20.0, tokens_per_s=30.0, speedup_vs_ar=1.5, device="NVIDIA H100",

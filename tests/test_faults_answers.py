@@ -311,7 +311,7 @@ def test_nan_states_in_a_cache_shard_that_passes_its_checksum_are_refused(w, tmp
 
 
 def test_fit_prompt_keeps_the_template_start_and_end_and_says_it_cut(w):
-    from outrider.bench import fit_prompt
+    from outrider.bench.local import fit_prompt
     from outrider.models import load_tokenizer
 
     tok = load_tokenizer(w["target"])

@@ -55,7 +55,7 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
     for _ in range(2):  # the second round replays graphs captured in the first
         got = engine.generate(prompts[:1], MAX_NEW).tokens + engine.generate(prompts[1:], MAX_NEW).tokens
         assert got == refs
-        graphs.append(engine._rounds._graphs if method == "eagle3" else None)
+        graphs.append(engine.rounds_runner._graphs if method == "eagle3" else None)
     if method == "eagle3":  # whole rounds ran as one CUDA graph, captured once per batch shape
         assert graphs[0] is not None and graphs[1] is graphs[0]
 

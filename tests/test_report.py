@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny import save_tiny
 
-from outrider.bench import bench
+from outrider.bench.local import bench
 from outrider.cli import main as cli_main
 from outrider.config import TrainConfig
 from outrider.errors import UserError

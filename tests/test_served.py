@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from outrider.cli import main
-from outrider.served.metrics import NO_COUNTERS, acceptance, engine_of, parse_exposition
+from outrider.bench.served.metrics import NO_COUNTERS, acceptance, engine_of, parse_exposition
 
 # vLLM's exposition as prometheus_client writes SpecDecodingProm's counters (vllm/v1/spec_decode/metrics.py)
 VLLM_TEXT = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

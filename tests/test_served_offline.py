@@ -29,8 +29,8 @@ from outrider.cli import main
 from outrider.interop import inspect as compat
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.interop.formats.export import save_head
-from outrider.served import offline
-from outrider.served.metrics import acceptance, parse_exposition
+from outrider.bench.served import offline
+from outrider.bench.served.metrics import acceptance, parse_exposition
 
 LAYERS = 8
 AUX = (2, 4, 5)

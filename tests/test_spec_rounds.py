@@ -1,4 +1,4 @@
-"""Device rounds (``outrider.spec_rounds``): whole greedy speculative rounds on the device, several
+"""Device rounds (``decode.strategies.rounds``): whole greedy speculative rounds on the device, several
 per host synchronisation, emit exactly what the one-step-per-synchronisation loop emits.
 
 On the CPU the static cache (``read_len="max"``) takes the same slot arithmetic as on a GPU, and
@@ -17,7 +17,7 @@ from test_engine import _hf_greedy, _prompts
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
-from outrider.decode.rounds import DeviceRounds, _accept_round
+from outrider.decode.strategies.rounds import DeviceRounds, accept_round
 
 MAX_NEW = 30
 
@@ -36,7 +36,7 @@ class Scripted(Proposer):
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
-        width = max(len(r) for r in self.refs) + ctx.k + 2
+        width = max(len(r) for r in self.refs) + ctx.max_len
         self.ref = torch.zeros(len(self.refs), width, dtype=torch.long, device=ctx.device)  # [batch, width]
         for b, r in enumerate(self.refs):
             self.ref[b, :len(r)] = torch.tensor(r)
@@ -52,7 +52,7 @@ class Scripted(Proposer):
 
     def propose(self, k: int) -> Draft:
         tokens = self.propose_device(k)
-        return Draft(tokens, torch.full((tokens.shape[0],), k, device=tokens.device))
+        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=tokens.device))
 
     def observe(self, outcome: Outcome) -> None:
         self.pos += torch.where(outcome.active, outcome.num_accepted + 1, 0)
@@ -74,10 +74,10 @@ def test_rounds_emit_what_the_step_loop_emits(tiny_models, k):
     prompts = _prompts()
     refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
     engine, rounds = _run(model, prompts, refs, k, "max")
-    assert isinstance(engine._rounds, DeviceRounds)  # the rounds ran
+    assert isinstance(engine.rounds_runner, DeviceRounds)  # the rounds ran
     _, steps = _run(model, prompts, refs, k, "used")
     stepped, pipelined = _run(model, prompts, refs, k, "max", rounds=0)  # the static cache, one step per sync
-    assert stepped._rounds is None
+    assert stepped.rounds_runner is None
     assert rounds.tokens == refs == steps.tokens == pipelined.tokens
     assert pipelined.accepted == steps.accepted
     assert (rounds.steps, rounds.row_steps) == (steps.steps, steps.row_steps)
@@ -111,7 +111,7 @@ def test_eagle3_rounds_equal_transformers(tiny_kind, tiny_models):
     engine = SpecEngine(model, Eagle3Proposer(_head(model), model), k=4, read_len="max")
     for _ in range(2):
         assert engine.generate(prompts, MAX_NEW).tokens == refs
-        assert isinstance(engine._rounds, DeviceRounds)
+        assert isinstance(engine.rounds_runner, DeviceRounds)
 
 
 def test_compiled_acceptance_emits_what_the_step_loop_emits(tiny_models):
@@ -122,7 +122,7 @@ def test_compiled_acceptance_emits_what_the_step_loop_emits(tiny_models):
     refs = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
     engine = SpecEngine(model, Scripted(refs, model.config.vocab_size), k=3, read_len="max", compile="inductor")
     fused = engine.generate(prompts, MAX_NEW)
-    assert isinstance(engine._rounds, DeviceRounds) and engine._rounds._accept is not _accept_round
+    assert isinstance(engine.rounds_runner, DeviceRounds) and engine.rounds_runner._accept is not accept_round
     _, steps = _run(model, prompts, refs, 3, "used")
     assert fused.tokens == refs == steps.tokens
     assert fused.accepted == steps.accepted and fused.row_steps == steps.row_steps
@@ -140,7 +140,7 @@ def test_rounds_reuse_the_slots_no_row_kept(tiny_models, batch):
     k = 3
     engine, got = _run(model, prompts, refs, k, "max")
     assert got.tokens == refs
-    cache = engine._rounds.target.cache
+    cache = engine.rounds_runner.target.cache
     assert cache.ptr == int(cache.ptr_dev)
     rounds = got.steps - 1  # after the first step, from the prompt
     P = max(len(p) for p in prompts)

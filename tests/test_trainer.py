@@ -412,7 +412,7 @@ def test_init_layer_from_target_starts_as_the_targets_last_layer(env, tmp_path):
 def test_an_mla_head_with_3_1_norms_trains_fine_tunes_and_benches(env, tmp_path):
     """head_attention "mla" (and the EAGLE 3.1 norms) through the whole path: a run writes an MLA head in the
     engines' layout, --init fine-tunes it as an MLA head, and bench --draft drafts losslessly with it."""
-    from outrider.bench import bench
+    from outrider.bench.local import bench
 
     cfg = CFG.replace(steps=3, eval_every=3, save_every=3, head_attention="mla", head_fc_norm=True,
                       head_norm_output=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import outrider.decode.engine as engine_module
-from outrider.bench import bench, verdict_cell
+import outrider.decode.verify as verify_module
+from outrider.bench.local import bench, verdict_cell
+from outrider.bench.verdict import Verdict, first_difference, judge, noise_bound
 from outrider.decode.verify import VerifyResult, verify_greedy
-from outrider.verdict import Verdict, first_difference, judge, noise_bound
 
 PROMPTS = "Name three primary colors.\nWrite a haiku about the sea.\nWhat is 12 times 7?\n"
 
@@ -87,7 +87,7 @@ def test_bf16_correct_engine_is_not_no(default_bf16, prompt_file):
 
 @pytest.mark.parametrize("rule", [off_by_one, wrong_bonus], ids=["off-by-one", "wrong-bonus"])
 def test_bf16_broken_acceptance_is_no(default_bf16, prompt_file, monkeypatch, rule):
-    monkeypatch.setattr(engine_module, "verify_greedy", rule)
+    monkeypatch.setattr(verify_module, "verify_greedy", rule)
     record = bench("default", "ngram", k=3, num_prompts=3, prompts=prompt_file, max_new_tokens=24,
                    loaded=default_bf16)
     assert record["verdict"].startswith("NO: prompt") and record["lossless"] is False, record["verdict"]

@@ -15,8 +15,9 @@ for the position of ``x_i``; ``p_{k+1}`` follows ``x_k``).
 Output tokens = accepted + one recovered (or bonus) token per row, so every step emits >= 1.
 Drafts may be ragged: ``num[b]`` drafted tokens are real in row b; later ones are never accepted.
 
-Not done here: typical acceptance or any other lossy rule. Trees are verified along a path
-chosen by the same rules (``tree.py`` builds the candidate set).
+``verify(draft, logits, ...)`` is the engine's entry: it takes a ``Draft`` and refuses any tree
+but a chain. Not done here: trees (the ``Draft`` carries their parent index already), typical
+acceptance or any other lossy rule.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.decode.sampling import sample
+from outrider.decode.proposers.base import Draft
+from outrider.decode.sampling import RowRandom, SamplingParams, probs, sample
 
 
 @dataclass
@@ -82,3 +84,17 @@ def verify_sampling(draft: torch.Tensor, num: torch.Tensor, q: torch.Tensor | No
     tokens = torch.cat([draft, draft.new_zeros(B, 1)], dim=1)
     tokens[rows, n_acc] = last
     return VerifyResult(n_acc, tokens)
+
+
+def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, rand: RowRandom) -> VerifyResult:
+    """Verify a chain: greedy, or rejection sampling with ``rand``'s uniforms (k+1 per row).
+
+    target_logits: [batch, k+1, vocab], the target's at the root and at each drafted token.
+    """
+    if not draft.is_chain():
+        raise ValueError("verification takes chains only (parents 0..k-2 after the root)")
+    k = draft.tokens.shape[1]
+    if sampling.greedy:
+        return verify_greedy(draft.tokens, draft.num, target_logits)
+    u = rand.uniform(k + 1, target_logits.device)  # [batch, k+1]
+    return verify_sampling(draft.tokens, draft.num, draft.q, probs(target_logits, sampling), u[:, :k], u[:, k])

@@ -10,7 +10,7 @@ counters, the lowest concurrency's per method and k). A failed level's records a
 a file with nothing usable is a ``UserError``. Step times for ``plan --calibrate`` need no
 conversion: the records carry ``ar_step_ms`` / ``verify_step_ms`` at their ``batch``.
 
-Not done here: measuring (``outrider.served``), fitting (``plan.measured``).
+Not done here: measuring (``outrider.bench.served``), fitting (``plan.measured``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The proposer protocol that ``SpecEngine`` drives.
 
 Contract: the engine calls ``start(ctx)`` once after the target's prefill, then per step
-``propose(k) -> Draft`` (k tokens per row, possibly fewer real ones) and, after verification,
+``propose(k) -> Draft`` (a chain of k tokens per row, possibly fewer real ones) and, after verification,
 ``observe(outcome)``. A proposer never sees the target's logits of future positions, and it
 never changes what the verifier emits: it only proposes. Probabilities ``q`` are returned when
 the proposer sampled from a distribution; a deterministic proposer returns ``q=None`` and is
@@ -10,6 +10,7 @@ verified as a point mass.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,11 +19,29 @@ from outrider.ops.graphs import CompileOptions
 from outrider.decode.sampling import SamplingParams
 
 
+@functools.cache
+def _chain_parents(n: int) -> torch.Tensor:
+    return torch.arange(-1, n - 1)  # [n] on the host; shared: never written
+
+
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [batch, k] long; positions >= num[b] are padding
-    num: torch.Tensor  # [batch] long, real drafted tokens per row
-    q: torch.Tensor | None = None  # [batch, k, vocab] draft probabilities, or None (point mass)
+    """A draft tree per row: node i's token is ``tokens[:, i]``, its parent ``parents[i]`` (-1: the
+    root, the last committed token; parents precede children). A chain of k is the tree whose
+    parents are i-1 (``Draft.chain``); the proposers draft chains and the verifier takes chains."""
+
+    tokens: torch.Tensor  # [batch, N] long; nodes >= num[b] are padding
+    parents: torch.Tensor  # [N] long, on the host: each node's parent, -1 for the root
+    num: torch.Tensor  # [batch] long, real nodes per row
+    q: torch.Tensor | None = None  # [batch, N, vocab] draft probabilities, or None (point mass)
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, num: torch.Tensor, q: torch.Tensor | None = None) -> "Draft":
+        """tokens: [batch, k]; num: [batch]; q: [batch, k, vocab] or None."""
+        return cls(tokens, _chain_parents(tokens.shape[1]), num, q)
+
+    def is_chain(self) -> bool:
+        return torch.equal(self.parents, _chain_parents(self.tokens.shape[1]))
 
 
 @dataclass
@@ -31,7 +50,6 @@ class StartContext:
     prompt_lens: torch.Tensor  # [batch]
     last: torch.Tensor  # [batch] the first emitted token (not yet in any cache)
     sampling: SamplingParams
-    k: int
     max_len: int  # cache slots a proposer's own cache needs for this request batch
     target_aux: torch.Tensor | None = None  # [batch, W >= P, n_aux*hidden] aux states of the prompt (right-padded)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -57,8 +75,14 @@ class Proposer:
     # has read the step's outcome (``Outcome.active`` is then the rows active during the step)
     device_side = False
     # True: ``propose_device`` drafts greedily with plain device operations (no graph replay, no
-    # host value), so the engine may run whole rounds on the device (``outrider.spec_rounds``)
+    # host value), so the engine may run whole rounds on the device (``decode.strategies.rounds``)
     device_rounds = False
+
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: object = None, **options: object) -> "Proposer":
+        """The registry's constructor (``proposers.PROPOSERS``): ``draft`` is what the method needs,
+        built by the caller (a model, a head); ``options`` the method's own settings."""
+        return cls()
 
     def start(self, ctx: StartContext) -> None:
         self.ctx = ctx

@@ -25,6 +25,10 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, **options: object) -> "DraftModelProposer":
+        return cls(draft)
+
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
         B = len(ctx.histories)
@@ -73,7 +77,7 @@ class DraftModelProposer(Proposer):
                 self.lm.commit(torch.ones(B, 1, dtype=torch.bool, device=dev))
         self.k_last = k
         q_all = None if qs[0] is None else torch.stack(qs, dim=1)  # [batch, k, vocab]
-        return Draft(torch.stack(tokens, dim=1), torch.full((B,), k, device=dev), q_all)
+        return Draft.chain(torch.stack(tokens, dim=1), torch.full((B,), k, device=dev), q_all)
 
     def observe(self, outcome: Outcome) -> None:
         k = self.k_last

@@ -1,7 +1,7 @@
 """EAGLE-3 drafting: a chain of k tokens from the head, fed with the target's own hidden states.
 
 Contract: the head at position t reads the target's fused aux states at t and the token at t+1,
-and predicts the token at t+2 (``outrider.head``). After every verification the target's aux
+and predicts the token at t+2 (``heads.eagle3``). After every verification the target's aux
 states of the committed positions, paired with the tokens that follow them, are *pending*; the
 next ``propose`` feeds them to the head (ragged per row, right-aligned, padding masked), which
 yields the first draft token; steps 2..k feed back the head's own ``hidden_out`` and last draft
@@ -26,15 +26,12 @@ Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled draftin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from outrider.ops.graphs import capture_graph, compiled
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
-from outrider.interop.checkpoint import load_head
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
 # for the draft step's scores
@@ -99,11 +96,8 @@ class Eagle3Proposer(Proposer):
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
     @classmethod
-    def load(cls, path: str | Path, target: torch.nn.Module, device: torch.device | None = None) -> "Eagle3Proposer":
-        head, _ = load_head(path, target_config=target.config)
-        param = next(target.parameters())
-        head = head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
-        return cls(head, target)
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, **options: object) -> "Eagle3Proposer":
+        return cls(draft, target)
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
@@ -125,7 +119,6 @@ class Eagle3Proposer(Proposer):
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
         if self._offsets and self._offsets[0].device != self.dev:  # moved: graphs of the old device are not replayed
             self._offsets = []
-        self._offset(max(ctx.k - 2, 0))  # the chain's offsets exist before any graph is captured
         self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
                                                                   self._link_greedy)
         if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
@@ -258,16 +251,18 @@ class Eagle3Proposer(Proposer):
     def propose(self, k: int) -> Draft:
         aux, nxt, valid = self.pending
         B = nxt.shape[0]
+        self._offset(max(k - 2, 0))  # the chain's offsets exist before any graph is captured
         prompt, self._prompt_pending = self._prompt_pending, False
         # after the first step every pending block is k+1 wide; a prompt's is padded (``start``)
         if self.use_graphs and (self._prompt_graph if prompt else nxt.shape[1] == k + 1):
             tokens, q = self._replay(aux, nxt, valid, k, prompt), None
         else:
             tokens, q = self._chain(aux, nxt, valid, k, prompt)
-        return Draft(tokens, torch.full((B,), k, device=self.dev), q)
+        return Draft.chain(tokens, torch.full((B,), k, device=self.dev), q)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""
+        self._offset(max(k - 2, 0))
         prompt, self._prompt_pending = self._prompt_pending, False
         return self._chain(*self.pending, k, prompt)[0]
 

@@ -37,6 +37,11 @@ class NgramProposer(Proposer):
         require(1 <= min_n <= max_n, f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def build(cls, target: torch.nn.Module, draft: object = None, ngram_min: int = 1, ngram_max: int = 4,
+              **options: object) -> "NgramProposer":
+        return cls(ngram_min, ngram_max)
+
     def propose(self, k: int) -> Draft:
         rows = [ngram_lookup(h, k, self.min_n, self.max_n) for h in self.ctx.histories]
         B = len(rows)
@@ -45,4 +50,4 @@ class NgramProposer(Proposer):
         for b, cont in enumerate(rows):
             tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.long)
             num[b] = len(cont)
-        return Draft(tokens.to(self.ctx.device), num.to(self.ctx.device), None)
+        return Draft.chain(tokens.to(self.ctx.device), num.to(self.ctx.device), None)

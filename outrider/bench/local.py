@@ -19,7 +19,7 @@ fewer prompts than asked is a notice, and ``num_prompts`` is what ran. Throughpu
 With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
 batch, so that a machine whose speed drifts during the run cannot favour either.
 
-Not done here: server-level load tests, latency percentiles under concurrency.
+Not done here: server-level load tests, latency percentiles under concurrency (``bench.served``).
 """
 
 from __future__ import annotations
@@ -36,26 +36,20 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.cliargs import os_error_line
-from outrider.decode.engine import (
-    GenerationResult,
-    SpecEngine,
-    check_pair,
-    eos_token_ids,
-)
+from outrider.decode.engine import SpecEngine, check_pair, eos_token_ids
+from outrider.decode.proposers import PROPOSERS
 from outrider.decode.proposers.base import Proposer
-from outrider.decode.proposers.draft_model import DraftModelProposer
-from outrider.decode.proposers.eagle3 import Eagle3Proposer
-from outrider.decode.proposers.ngram import NgramProposer
 from outrider.decode.sampling import SamplingParams
+from outrider.decode.state import GenerationResult
 from outrider.errors import UserError, require
-from outrider.fsutil import read_text, write_json_output
+from outrider.fsutil import os_error_line, read_text, write_json_output
+from outrider.interop.checkpoint import load_head
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
-from outrider.verdict import judge
+from outrider.bench.verdict import judge
 
-METHODS = ("ar", "ngram", "draft", "eagle3")
+METHODS = tuple(PROPOSERS)
 MAX_PROMPT_TOKENS = 512  # bench's --max-prompt-tokens default
 
 
@@ -183,29 +177,37 @@ def _prompt_file(path: Path) -> list[str]:
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
                    device: torch.device | None = None, dtype: torch.dtype | None = None,
                    ngram_min: int = 1, ngram_max: int = 4) -> Proposer | None:
-    """The proposer for ``method``; ``draft`` names a draft model or an EAGLE-3 head."""
+    """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
+    or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
     require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    if method == "ar":
-        return None
-    if method == "ngram":
-        return NgramProposer(ngram_min, ngram_max)
-    require(draft is not None, f"--method {method} needs --draft")
-    if method == "draft":
-        dmodel, dtok = load_model(draft, device=device, dtype=dtype)
-        check_pair(target, dmodel, tokenizer, dtok)
-        return DraftModelProposer(dmodel)
+    spec = PROPOSERS[method]
+    built = None
+    if spec.needs is not None:
+        require(draft is not None, f"--method {method} needs --draft")
+    if spec.needs == "model":
+        built, dtok = load_model(draft, device=device, dtype=dtype)
+        check_pair(target, built, tokenizer, dtok)
+    elif spec.needs == "head":
+        built = load_eagle3_head(draft, target, device=device)
+    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max)
 
-    return Eagle3Proposer.load(draft, target, device=device)
+
+def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None
+                     ) -> torch.nn.Module:
+    """The EAGLE-3 head at ``path``, checked against ``target``, on its device and dtype, frozen."""
+    head, _ = load_head(path, target_config=target.config)
+    param = next(target.parameters())
+    return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
 
 
-def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None
-         ) -> tuple[list[list[int]], float, list[GenerationResult]]:
+def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None,
+         k: int | None = None) -> tuple[list[list[int]], float, list[GenerationResult]]:
     """Generate batch by batch; the seconds count generation only (the bar draws between batches)."""
     outs, results, seconds = [], [], 0.0
     for i in range(0, len(prompts), batch_size):
         t0 = time.perf_counter()
-        r = engine.generate(prompts[i:i + batch_size], max_new)
-        engine._sync()  # the batch's tokens are on the host already: this waits for nothing more
+        r = engine.generate(prompts[i:i + batch_size], max_new, k=k)
+        engine.sync()  # the batch's tokens are on the host already: this waits for nothing more
         seconds += time.perf_counter() - t0
         outs.extend(r.tokens)
         results.append(r)
@@ -214,7 +216,7 @@ def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new:
     return outs, seconds, results
 
 
-def _hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
+def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new: int, eos: Sequence[int],
                  pad_id: int) -> tuple[list[list[int]], float]:
     outs = []
     dev = next(model.parameters()).device
@@ -321,7 +323,6 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     compile = dev.type == "cuda" if compile is None else compile  # the fast path by default on CUDA
     if engines is not None:
         ar, spec = engines
-        spec.k = k if spec.proposer is not None else 0
         proposer = spec.proposer
         graphs = spec.graphs
     else:
@@ -339,35 +340,35 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
 
     for engine in {id(ar): ar, id(spec): spec}.values():  # warm-up: first calls pay one-off costs
         if engine.graphs or engine.compile:  # a batch of the longest requests sizes the pooled cache:
-            engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens)  # no capture or
+            engine.generate(sorted(prompt_ids, key=len)[-batch_size:], max_new_tokens, k=k)  # no capture or
             # compilation inside the timing; with graphs every batch's prompt width (its forward,
             # the first draft) is captured too
             if engine.graphs:
-                _run(engine, prompt_ids, batch_size, min(2, max_new_tokens))
+                _run(engine, prompt_ids, batch_size, min(2, max_new_tokens), k=k)
         else:
-            engine.generate(prompt_ids[:1], min(8, max_new_tokens))
+            engine.generate(prompt_ids[:1], min(8, max_new_tokens), k=k)
         done(f"warm-up of the {'autoregressive' if engine.proposer is None else method} engine")
     batches = -(-len(prompt_ids) // batch_size)
     with Bar(progress, f"bench {method} vs ar", batches * (2 * repeats + hf_baseline), manual=True) as bar:
         if hf_baseline:  # ours and transformers alternate batch by batch: drifts of the machine hit both alike
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-            _hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
+            hf_generate(model, prompt_ids[:1], 1, min(8, max_new_tokens), eos, pad)
             done("warm-up of transformers' generate")
             ar_out, ar_s, ar_res, hf_out, hf_s = [], 0.0, [], [], 0.0
             for i in range(0, len(prompt_ids), batch_size):
                 out, s, res = _run(ar, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, bar)
                 ar_out, ar_s, ar_res = ar_out + out, ar_s + s, ar_res + res
-                out, s = _hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
+                out, s = hf_generate(model, prompt_ids[i:i + batch_size], batch_size, max_new_tokens, eos, pad)
                 hf_out, hf_s = hf_out + out, hf_s + s
                 bar.advance()
         else:
             ar_out, ar_s, ar_res = _run(ar, prompt_ids, batch_size, max_new_tokens, bar)
-        sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens, bar)
+        sp_out, sp_s, sp_res = _run(spec, prompt_ids, batch_size, max_new_tokens, bar, k=k)
         passes = [((ar_out, ar_s, ar_res), (sp_out, sp_s, sp_res))]
         done(f"pass 1 of {repeats}")
         for i in range(repeats - 1):  # more (AR, method) pairs: the speed figures are medians over pairs
             passes.append((_run(ar, prompt_ids, batch_size, max_new_tokens, bar),
-                           _run(spec, prompt_ids, batch_size, max_new_tokens, bar)))
+                           _run(spec, prompt_ids, batch_size, max_new_tokens, bar, k=k)))
             done(f"pass {i + 2} of {repeats}")
     sp_tokens = sum(len(t) for t in sp_out)
     m = _merge([r for _, (_, _, res) in passes for r in res])

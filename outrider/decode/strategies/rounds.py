@@ -16,12 +16,14 @@ cache (``read_len="max"``: slot arithmetic on the device) and a ``device_side`` 
 ``run(rounds)`` queues that many rounds without reading anything back and returns the records
 ``[batch, rounds, 2 + k+1]`` (on the device; the caller reads them once and hands them to
 ``settle``, which brings the host's copy of the first free slot up to the device's). The tokens are exactly
-those the engine's one-step-per-synchronisation loop emits: the same operations in the same order.
+those the reference step (``SpecEngine.step``) emits: the same operations in the same order.
 On CUDA with ``graphs=True`` a round is captured once as two CUDA graphs, replayed back to back:
 the verification (the target's step, the acceptance, the commit) and the draft (the head's whole
 chain); two rather than one so that each can be timed with events between them. Elsewhere the
 round runs eagerly. When the target's step is compiled, so is the acceptance with its commit
-(``_accept_round``).
+(``accept_round``). ``RoundChunks`` is the engine's strategy: one pipelined step (its draft is
+the first round's), then chunks of rounds, each never running past what the longest remaining
+request can still need (a round emits at most k+1 tokens).
 A row that stops inside a chunk (EOS, length) keeps running to the chunk's end: the caller ignores
 its later records, and its extra cache entries are never read by another row.
 
@@ -32,7 +34,7 @@ trees, proposers that need the host (n-gram).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,10 +46,11 @@ from outrider.ops.graphs import (
 )
 from outrider.decode.proposers.base import Draft, Outcome, Proposer
 from outrider.decode.runner import CachedLM
+from outrider.decode.state import RequestState
 from outrider.decode.verify import verify_greedy
 
 
-def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tensor, positions: torch.Tensor,
+def accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, ptr: torch.Tensor,
                   records: torch.Tensor, counter: torch.Tensor, last: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +79,7 @@ def _accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tenso
 
 @functools.cache
 def _compiled_accept(options: CompileOptions) -> Callable:
-    return compiled(_accept_round, options)
+    return compiled(accept_round, options)
 
 
 class DeviceRounds:
@@ -96,7 +99,7 @@ class DeviceRounds:
         self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
         # the acceptance and commit, fused by torch.compile when the target's step is compiled
         options = target.compile_options
-        self._accept = _accept_round if options is None else _compiled_accept(options)
+        self._accept = accept_round if options is None else _compiled_accept(options)
 
     def key_matches(self, target: CachedLM, proposer: Proposer, batch: int, k: int, max_rounds: int) -> bool:
         return (self.target is target and self.proposer is proposer and self.anchor is proposer.device_anchor()
@@ -121,7 +124,7 @@ class DeviceRounds:
 
     def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> None:
         """Feed the round's outcome to the proposer and draft the next round."""
-        self.proposer.observe(Outcome(Draft(self.draft, num), n_acc, tokens, self.active, aux))
+        self.proposer.observe(Outcome(Draft.chain(self.draft, num), n_acc, tokens, self.active, aux))
         self.draft.copy_(self.proposer.propose_device(self.k))
 
     def _state(self) -> Sequence[torch.Tensor]:
@@ -154,7 +157,7 @@ class DeviceRounds:
         """Queue ``rounds`` rounds; returns their records ``[batch, rounds, 2 + k+1]`` (device).
 
         ``mark(name)`` is called before each round's verification ("verify") and its draft
-        ("propose"), for timing without a host synchronisation (``engine._Marks``).
+        ("propose"), for timing without a host synchronisation (``state.Marks``).
         """
         cache, k = self.target.cache, self.k
         if not 1 <= rounds <= self.max_rounds:
@@ -182,5 +185,42 @@ class DeviceRounds:
     def settle(self, records: list[list[list[int]]]) -> None:
         """The host's first free slot after the rounds whose records ``run`` returned, read back
         ([batch][round][accepted, drafted, k+1 tokens]): each round advanced it past the last slot
-        any row kept, as ``_accept_round`` did on the device."""
+        any row kept, as ``accept_round`` did on the device."""
         self.target.cache.ptr += sum(max(row[r][0] for row in records) + 1 for r in range(len(records[0])))
+
+
+class RoundChunks:
+    """The engine's strategy: ``first`` (a ``PipelinedStep``) once, then up to ``engine.rounds``
+    rounds per host synchronisation; a row that stops inside a chunk ignores its later rounds."""
+
+    def __init__(self, engine: Any, target: CachedLM, first: Callable[[RequestState], None]):
+        self.engine, self.target, self.first = engine, target, first  # engine: the ``SpecEngine``
+        self.runner: DeviceRounds | None = None
+
+    def __call__(self, state: RequestState) -> None:
+        if self.first is not None:  # the first step drafts from the prompt; then whole rounds
+            self.first(state)
+            self.draft, self.first = self.first.next, None
+            return
+        engine, B, k = self.engine, state.batch, state.k
+        n = max(1, min(engine.rounds, -(-state.tokens_left() // (k + 1))))
+        active = state.active_rows()  # [batch] bool
+        if self.runner is None:
+            runner = engine.rounds_pool.get((B, k))
+            if runner is None or not runner.key_matches(self.target, engine.proposer, B, k, engine.rounds):
+                runner = DeviceRounds(self.target, engine.proposer, B, k, engine.rounds, engine.graphs)
+                if engine.graphs:  # kept with its graph; elsewhere caches are not reused either
+                    engine.rounds_pool[(B, k)] = runner
+            self.runner = engine.rounds_runner = runner
+            runner.load(state.last, self.draft.tokens, active)
+            self.draft = None
+        else:
+            self.runner.active.copy_(active)
+        host = self.runner.run(n, state.marks.mark).tolist()  # [batch][round][n_acc, num, k+1 tokens]
+        self.runner.settle(host)
+        state.marks.mark("observe")
+        for r in range(n):
+            if not state.any_alive():
+                break
+            state.record([row[r] for row in host], k)
+        state.last = self.runner.last

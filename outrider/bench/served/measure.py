@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 from outrider.errors import UserError
 from outrider.fsutil import write_json_output
 from outrider.provenance import git_commit, today
-from outrider.served.client import Endpoint, Reply
-from outrider.served.metrics import Served, acceptance, engine_of, parse_exposition
+from outrider.bench.served.client import Endpoint, Reply
+from outrider.bench.served.metrics import Served, acceptance, engine_of, parse_exposition
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

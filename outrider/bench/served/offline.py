@@ -2,7 +2,7 @@
 
 Contract:
 - ``local_run(target, texts, max_new_tokens, draft=None, k=3)`` loads the target once, renders
-  each prompt with its chat template (``outrider.bench.render_prompt``, as the server's chat
+  each prompt with its chat template (``bench.local.render_prompt``, as the server's chat
   endpoint does), and decodes greedily with our engine at batch 1: the plain outputs (text and
   ids) and, with ``draft`` (an EAGLE-3 head folder), the head's walked tau and acceptance per
   position over the same prompts at ``k`` (our engine's decode: every step's accepted drafts).
@@ -15,7 +15,7 @@ Contract:
   them, draft options such as ``norm_before_residual`` and sliding windows, ``d2t``, the
   tokenizer and chat template, weights) and names the checks to run by hand when none is found.
 
-Not done here: the served measurement (``served.bench``), sampled decoding, trees.
+Not done here: the served measurement (``served.measure``), sampled decoding, trees.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LocalRun:
 
 def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str | None = None, k: int = 3,
               device: str | None = None, dtype: str | None = None) -> LocalRun:
-    from outrider.bench import render_prompt
+    from outrider.bench.local import load_eagle3_head, render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.proposers.eagle3 import Eagle3Proposer
     from outrider.models import load_model
@@ -58,7 +58,8 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
     out_ids = [plain.generate([p], max_new_tokens).tokens[0] for p in prompts]
     run = LocalRun(prompts, [tok.decode(o, skip_special_tokens=True) for o in out_ids], out_ids)
     if draft is not None:
-        spec = SpecEngine(model, Eagle3Proposer.load(draft, model), k=k, eos_ids=eos, graphs=False, compile=False)
+        head = load_eagle3_head(draft, model)
+        spec = SpecEngine(model, Eagle3Proposer(head, model), k=k, eos_ids=eos, graphs=False, compile=False)
         results = [spec.generate([p], max_new_tokens) for p in prompts]
         row_steps = sum(r.row_steps for r in results)
         accepted = [sum(r.accepted[i] for r in results) for i in range(k)]

@@ -1,14 +1,14 @@
 """``outrider bench --server`` / ``--compare`` as one call: measure, compare with here, print, write.
 
-Contract: ``bench_served(...)`` draws the prompts (``outrider.bench.prompt_texts``: held-out
-ShareGPT or a prompt file), runs ``served.bench.served_bench`` (records written after every
+Contract: ``bench_served(...)`` draws the prompts (``bench.local.prompt_texts``: held-out
+ShareGPT or a prompt file), runs ``served.measure.served_bench`` (records written after every
 level), and, given the ``target``, decodes the same prompts here (``served.offline``): the served
 greedy outputs against ours (``outputs_equal_local`` on each record), and with ``draft`` the
 head's walked tau against the served one (``served_vs_offline`` with inspect's findings). The
 records are rewritten with those fields, then the table and verdicts are printed.
 ``compare_files(a, b)`` reads two earlier runs and prints the first's speedup over the second.
 
-Not done here: the measuring itself (``served.bench``), parsing flags (``outrider.cli``).
+Not done here: the measuring itself (``served.measure``), parsing flags (``outrider.cli``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import read_json, write_json_output
-from outrider.served import bench as served
-from outrider.served import offline
+from outrider.bench.served import measure as served
+from outrider.bench.served import offline
 
 
 def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | None, texts: Sequence[str],
@@ -51,7 +51,7 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
                  timeout: float = 60.0, method: str = "eagle3", target: str | None = None, draft: str | None = None,
                  k: int = 3, device: str | None = None, dtype: str | None = None, json_path: str | None = None,
                  console=None, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    from outrider.bench import prompt_texts
+    from outrider.bench.local import prompt_texts
 
     texts = prompt_texts(prompts, num_prompts)
     if len(texts) < num_prompts:  # nothing shortened in silence: the records hold how many ran

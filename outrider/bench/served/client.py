@@ -17,7 +17,7 @@ Contract:
   the stream. It never retries: a benchmark counts failures. The stream is bounded: at most
   ``8 * max_tokens + 64`` lines are read.
 
-Not done here: concurrency and statistics (``served.bench``), authentication beyond a bearer
+Not done here: concurrency and statistics (``served.measure``), authentication beyond a bearer
 token given explicitly, tools, non-chat completions.
 """
 
