@@ -34,10 +34,10 @@ Contract:
   forward: aux and final states), and ``ModelSource``, the in-memory hidden-state source of
   ``outrider.train.states.cache_capture`` (per-sequence aux and final states, batched by padded tokens).
 
-Not done here: compiling the target's forward (tried: on an H200 its first dynamic-shape compilation
-of the default model had not finished after eight minutes, and on a tiny float32 target its losses
-drifted from eager by 2.7e-4 relative), writing hidden states to disk (``outrider.train.states.cache``),
-quantised targets, tensor- or pipeline-parallel targets, target-side logit transforms other than soft-capping (logit scales, temperature).
+Not done here: compiling the target's forward (tried: its dynamic-shape compilation took longer than
+it saved, and its losses were not equal to eager), writing hidden states to disk (``outrider.train.states.cache``),
+quantised targets, tensor- or pipeline-parallel targets, target-side logit transforms other than
+soft-capping (logit scales, temperature).
 """
 
 from __future__ import annotations
