@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.decode.sampling import sample
+from outrider.decode.proposers.base import Draft
+from outrider.decode.sampling import RowRandom, SamplingParams, probs, sample
 from outrider.ops.tree import ancestors, as_rows
 
 
@@ -150,3 +151,17 @@ def verify_tree_sampling(tokens: torch.Tensor, parents: torch.Tensor, num: torch
                 break
         n_acc[b] = d
     return TreeVerdict(n_acc, out, path)
+
+
+def verify_tree(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, rand: RowRandom) -> TreeVerdict:
+    """Verify a draft tree: greedy, or multi-draft rejection with ``rand``'s uniforms (N + 1 per row).
+
+    target_logits: [batch, 1 + N, vocab], the target's at the root and at each node.
+    """
+    N = draft.tokens.shape[1]
+    parents = draft.parents.to(draft.tokens.device)
+    if sampling.greedy:
+        return verify_tree_greedy(draft.tokens, parents, draft.num, target_logits, draft.levels)
+    u = rand.uniform(N + 1).tolist()  # [batch][N + 1]: a child is tried at most once, then one draw
+    return verify_tree_sampling(draft.tokens, parents, draft.num, draft.q, probs(target_logits, sampling),
+                                draft.levels, lambda b, i: u[b][i])
