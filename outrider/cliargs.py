@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
-from outrider.fsutil import USER_ERRNOS
+from outrider.fsutil import USER_ERRNOS, os_error_line, read_text
 
 if TYPE_CHECKING:
     from outrider.train.options import StreamOptions, TrainOptions
@@ -202,7 +202,30 @@ def draft_kind(path: str) -> str | None:
     return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
 
 
+def tree_option(a: argparse.Namespace):
+    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``ops.tree`` TreeBudget or
+    StaticTree (checked), or None for chains."""
+    from outrider.ops.tree import TreeBudget, static_tree
+
+    tree, paths = getattr(a, "tree", None), getattr(a, "tree_paths", None)
+    if tree is None and paths is None:
+        return None
+    if tree is not None and paths is not None:
+        raise UserError("--tree and --tree-paths both give the tree: choose one")
+    if a.method != "eagle3":
+        raise UserError(f"--tree and --tree-paths draft trees from an EAGLE-3 head: use --method eagle3 --draft HEAD "
+                        f"(--method {a.method} drafts chains)")
+    if tree is not None:
+        return TreeBudget.parse(tree)
+    try:
+        text = read_text(paths)
+    except OSError as e:
+        raise UserError(f"--tree-paths: {os_error_line(e, paths)}") from None
+    return static_tree(text, where=f"--tree-paths {paths}")
+
+
 def _check_decoding(a: argparse.Namespace) -> None:
+    tree_option(a)
     if a.method == "ar":
         return
     if a.k > a.max_new_tokens:
