@@ -30,6 +30,7 @@ from outrider.cliargs import (
     batch_values,
     check_args,
     device,
+    export_launch,
     dtype,
     int_list,
     names_of,
@@ -203,9 +204,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     from outrider.interop.formats.export import export
     from outrider.outputs import claim_dir
 
+    k, tree = export_launch(a)
     with claim_dir(a.out, "export", inputs=[a.draft, a.target]) as claim:
         report = export(a.draft, a.format, str(claim.path), target=a.target, dtype=a.dtype,
-                        num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
+                        num_speculative_tokens=k, include_embeddings=a.include_embeddings, tree=tree)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -461,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     sp.add_argument("--num-speculative-tokens", type=K, default=3,
                     help="k written into the launch commands (1..64)")
+    sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",
+                    help="launch an EAGLE-2 draft tree instead of a chain (SGLang's budget, as bench --tree)")
+    sp.add_argument("--tree-paths", default=None, metavar="FILE",
+                    help="launch a static draft tree (vLLM's speculative_token_tree, as bench --tree-paths)")
+    sp.add_argument("--bench", default=None, metavar="F",
+                    help="bench JSON of this head: launch the chain or tree of its best measured end-to-end speedup")
     sp.add_argument("--include-embeddings", action="store_true",
                     help="also write the target's embedding (some loaders want embed_tokens.weight)")
     sp.set_defaults(fn=cmd_export)
