@@ -278,3 +278,12 @@ def test_plan_uses_calibrated_tree_rounds(tmp_path):
     result = plan("default", "h200", acceptance=path, calibrate=path, ks=[3], console=quiet()[0])
     tree = next(p for p in result.predictions if p.draft_kind == "tree")
     assert tree.draft_round_s == pytest.approx(0.777e-3)
+
+
+def test_measured_acceptance_takes_chains_and_refuses_wide_trees():
+    from outrider.plan.measured import read_measured
+
+    m = read_measured({"acceptance": [{"method": "eagle3", "topk": 1, "steps": 3, "draft_tokens": 4, "tau": 2.5}]})
+    assert m.acceptance["eagle3"][3].expected_tokens(3) == pytest.approx(2.5)
+    with pytest.raises(UserError, match="give tree records with --acceptance"):
+        read_measured({"acceptance": [{"method": "eagle3", "topk": 2, "steps": 3, "draft_tokens": 6, "tau": 2.5}]})

@@ -525,7 +525,8 @@ def _print(result: PlanResult, shape: ModelShape, console) -> None:
             table.add_column(col, justify="left" if col == "method" else "right")
         for p in preds:
             style = "green" if p.speedup > 1.0 else "red"
-            table.add_row(p.method, str(p.k), ",".join(map(str, p.tree)) if p.tree else "-", f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
+            budget = ",".join(map(str, p.tree)) if p.tree else "-"
+            table.add_row(p.method, str(p.k), budget, f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
                           f"{p.draft_round_s * 1e3:.3f}", f"{(p.verify_step_s + p.draft_round_s) * 1e3:.2f}",
                           f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]",
                           f"{p.memory_bytes / 1e9:,.0f}" + ("" if p.fits else " [red]no fit[/red]"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ast
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from outrider.errors import UserError
 from outrider.plan.cost_model import (
