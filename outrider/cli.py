@@ -30,6 +30,7 @@ from outrider.cliargs import (
     batch_values,
     check_args,
     device,
+    export_launch,
     dtype,
     int_list,
     names_of,
@@ -37,6 +38,7 @@ from outrider.cliargs import (
     stderr_line,
     stream_options,
     train_options,
+    tree_option,
     user_os_error,
 )
 from outrider.decode.proposers import PROPOSERS
@@ -88,7 +90,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UserError("empty prompt: give some text with --prompt")
     model, tok = load_model(a.target, device=a.device, dtype=a.dtype)
     proposer = build_proposer(a.method, model, tok, a.draft, device=next(model.parameters()).device,
-                              dtype=next(model.parameters()).dtype)
+                              dtype=next(model.parameters()).dtype, tree=tree_option(a))
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     engine = SpecEngine(model, proposer, k=a.k, sampling=sampling, eos_ids=eos_token_ids(model, tok))
     ids = render_prompt(tok, a.prompt, 1 << 30) if not a.raw else tok(a.prompt)["input_ids"]
@@ -119,7 +121,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      dtype=a.dtype, json_path=a.json, console=_console(a.json),
                      log=None if a.quiet else lambda line: print(line, file=sys.stderr))
         return 0
-    bench(a.target, a.method, draft=a.draft, k=a.k, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+    bench(a.target, a.method, draft=a.draft, k=a.k, tree=tree_option(a), num_prompts=a.num_prompts,
+          max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
           graphs=a.graphs, compile=a.compile, repeats=a.repeats, progress=not a.quiet,
@@ -201,9 +204,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     from outrider.interop.formats.export import export
     from outrider.outputs import claim_dir
 
+    k, tree = export_launch(a)
     with claim_dir(a.out, "export", inputs=[a.draft, a.target]) as claim:
         report = export(a.draft, a.format, str(claim.path), target=a.target, dtype=a.dtype,
-                        num_speculative_tokens=a.num_speculative_tokens, include_embeddings=a.include_embeddings)
+                        num_speculative_tokens=k, include_embeddings=a.include_embeddings, tree=tree)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 
@@ -304,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         .get(m.needs, "") for name, m in PROPOSERS.items()))
         sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
         sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
+        sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",
+                        help="EAGLE-2 draft trees (--method eagle3) in SGLang's budget: topk children per expanded "
+                             "node, steps draft forwards, tokens verified per round with the root (a chain of k: 1,k,k+1)")
+        sp.add_argument("--tree-paths", default=None, metavar="FILE",
+                        help="a static draft tree (--method eagle3): a file with vLLM's speculative_token_tree, paths "
+                             "of child ranks such as [(0,), (1,), (0, 0)]")
         sp.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt (>= 1)")
         sp.add_argument("--temperature", type=FloatRange(0), default=0.0, help="0: greedy (>= 0)")
         sp.add_argument("--seed", type=SEED, default=0)
@@ -453,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     sp.add_argument("--num-speculative-tokens", type=K, default=3,
                     help="k written into the launch commands (1..64)")
+    sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",
+                    help="launch an EAGLE-2 draft tree instead of a chain (SGLang's budget, as bench --tree)")
+    sp.add_argument("--tree-paths", default=None, metavar="FILE",
+                    help="launch a static draft tree (vLLM's speculative_token_tree, as bench --tree-paths)")
+    sp.add_argument("--bench", default=None, metavar="F",
+                    help="bench JSON of this head: launch the chain or tree of its best measured end-to-end speedup")
     sp.add_argument("--include-embeddings", action="store_true",
                     help="also write the target's embedding (some loaders want embed_tokens.weight)")
     sp.set_defaults(fn=cmd_export)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
-from outrider.fsutil import USER_ERRNOS
+from outrider.fsutil import USER_ERRNOS, os_error_line, read_text
 
 if TYPE_CHECKING:
     from outrider.train.options import StreamOptions, TrainOptions
@@ -202,7 +202,65 @@ def draft_kind(path: str) -> str | None:
     return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
 
 
+def tree_option(a: argparse.Namespace):
+    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``ops.tree`` TreeBudget or
+    StaticTree (checked), or None for chains."""
+    from outrider.ops.tree import TreeBudget, static_tree
+
+    tree, paths = getattr(a, "tree", None), getattr(a, "tree_paths", None)
+    if tree is None and paths is None:
+        return None
+    if tree is not None and paths is not None:
+        raise UserError("--tree and --tree-paths both give the tree: choose one")
+    method = getattr(a, "method", "eagle3")  # export: the head's own
+    if method != "eagle3":
+        raise UserError(f"--tree and --tree-paths draft trees from an EAGLE-3 head: use --method eagle3 --draft HEAD "
+                        f"(--method {method} drafts chains)")
+    if tree is not None:
+        return TreeBudget.parse(tree)
+    try:
+        text = read_text(paths)
+    except OSError as e:
+        raise UserError(f"--tree-paths: {os_error_line(e, paths)}") from None
+    return static_tree(text, where=f"--tree-paths {paths}")
+
+
+def export_launch(a: argparse.Namespace) -> tuple[int, Any]:
+    """``export``'s launch settings: (k, tree) from ``--bench F`` (the EAGLE-3 record of the best
+    end-to-end speedup: its chain's k or its tree), else ``--num-speculative-tokens`` and
+    ``--tree``/``--tree-paths``."""
+    from outrider.ops.tree import TreeBudget, static_tree
+
+    tree = tree_option(a)
+    if a.bench is None:
+        return a.num_speculative_tokens, tree
+    if tree is not None:
+        raise UserError("--bench picks the measured best chain or tree: leave out --tree and --tree-paths")
+    try:
+        data = json.loads(read_text(a.bench))
+    except OSError as e:
+        raise UserError(f"--bench: {os_error_line(e, a.bench)}") from None
+    except ValueError as e:
+        raise UserError(f"--bench {a.bench}: not JSON ({e})") from None
+    records = data if isinstance(data, list) else [data]
+    ok = [r for r in records if isinstance(r, dict) and r.get("method") == "eagle3"
+          and isinstance(r.get("speedup_vs_ar"), (int, float)) and isinstance(r.get("k"), int)]
+    if not ok:
+        raise UserError(f"--bench {a.bench}: no eagle3 bench record (method, k, speedup_vs_ar)")
+    best = max(ok, key=lambda r: (r["speedup_vs_ar"], r.get("tau", 0)))
+    where = f"--bench {a.bench}"
+    if "tree_paths" in best:
+        return best["k"], static_tree(best["tree_paths"], where=where)
+    if best.get("topk", 1) != 1:
+        try:
+            return best["k"], TreeBudget(best["topk"], best["steps"], best["draft_tokens"])
+        except (KeyError, UserError) as e:
+            raise UserError(f"{where}: the best record's tree is not a valid budget ({e})") from None
+    return best["k"], None
+
+
 def _check_decoding(a: argparse.Namespace) -> None:
+    tree_option(a)
     if a.method == "ar":
         return
     if a.k > a.max_new_tokens:

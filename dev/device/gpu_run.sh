@@ -2,7 +2,7 @@
 # The GPU measurements RESULTS.md reports, as parts of one background job on the staged machine
 # (after stage.sh 1 and 2, from the copy of the tree that stage.sh 2 made in /tmp/tree: each device
 # call replaces the working tree it ran in). Parts, in order of value: demo (`outrider demo` from a bare start,
-# ~20 min), bench (the demo's head at k = 5 as typed and with --no-compile), batches (planner vs
+# ~20 min), trees (chains against EAGLE-2 trees on the demo's head), bench (the demo's head at k = 5 as typed and with --no-compile), batches (planner vs
 # engine at batch 1/4/16/64), cache (cache_bench), mla (mla_check), stream (stream_bench), shape
 # (shape_change). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
@@ -14,7 +14,7 @@ set -u
 RES=/tmp/res
 DEMO=/tmp/demo
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-ALL="demo bench batches cache mla stream shape"
+ALL="demo trees bench batches cache mla stream shape"
 
 stage() {  # stage NAME COMMAND...: timed, logged, never stops the job
   local name=$1; shift
@@ -33,6 +33,18 @@ part_demo() {
   cp $DEMO/summary.md $DEMO/bench.json $RES/ 2>/dev/null
   xz -c $DEMO/train/metrics.jsonl > $RES/demo-train-metrics.jsonl.xz 2>/dev/null
   cp $DEMO/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
+}
+part_trees() {  # the demo's head at batch 1: chains k = 3..7 and EAGLE-2 trees of 8 and 16 verified tokens, one run each
+  for k in 3 5 7; do
+    stage chain-k$k outrider bench default --method eagle3 --draft $DEMO/head --k $k --num-prompts 30 \
+        --json $RES/trees-chain-k$k.json
+  done
+  for t in 2,3,8 4,2,8 4,3,16 4,4,16; do
+    stage tree-${t//,/-} outrider bench default --method eagle3 --draft $DEMO/head --tree $t --num-prompts 30 \
+        --json $RES/trees-tree-${t//,/-}.json
+  done
+  stage tree-plan outrider plan default --hardware h200 --calibrate $RES/trees-chain-k5.json \
+      --acceptance $RES/trees-tree-4-4-16.json --json $RES/trees-plan.json
 }
 part_bench() {
   stage typed outrider bench default --method eagle3 --draft $DEMO/head --k 5 --num-prompts 30 \

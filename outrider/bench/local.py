@@ -45,6 +45,7 @@ from outrider.errors import UserError, require
 from outrider.fsutil import os_error_line, read_text, write_json_output
 from outrider.interop.checkpoint import load_head
 from outrider.models import load_model
+from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
 from outrider.bench.verdict import judge
@@ -176,7 +177,8 @@ def _prompt_file(path: Path) -> list[str]:
 
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
                    device: torch.device | None = None, dtype: torch.dtype | None = None,
-                   ngram_min: int = 1, ngram_max: int = 4) -> Proposer | None:
+                   ngram_min: int = 1, ngram_max: int = 4, tree: TreeBudget | StaticTree | None = None
+                   ) -> Proposer | None:
     """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
     or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
     require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -189,7 +191,9 @@ def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: 
         check_pair(target, built, tokenizer, dtok)
     elif spec.needs == "head":
         built = load_eagle3_head(draft, target, device=device)
-    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max)
+    require(tree is None or method == "eagle3", f"--method {method} drafts chains; trees need --method eagle3")
+    options = {"tree": tree} if tree is not None else {}
+    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max, **options)
 
 
 def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None
@@ -282,7 +286,8 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
     }
 
 
-def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_prompts: int = 10,
+def bench(target: str, method: str, draft: str | None = None, k: int = 4,
+          tree: TreeBudget | StaticTree | None = None, num_prompts: int = 10,
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
@@ -300,7 +305,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     each phase ends (warm-ups, which compile and capture, and passes), with its seconds;
     ``progress`` shows a bar on stderr over the timed batches of all passes. ``graphs`` and
     ``compile`` (None: on for CUDA, off elsewhere) choose the engine's fast path: steps replayed as
-    CUDA graphs, fused by ``torch.compile`` with static shapes first.
+    CUDA graphs, fused by ``torch.compile`` with static shapes first. ``tree`` (``ops.tree``: an
+    EAGLE-2 budget or a static tree; ``method`` eagle3) drafts trees instead of chains of ``k``.
     """
     require(k >= 1, f"--k must be >= 1, got {k}")
     require(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
@@ -326,7 +332,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
         proposer = spec.proposer
         graphs = spec.graphs
     else:
-        proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype)
+        proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype, tree=tree)
         ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
         spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
                 if proposer else ar)
@@ -374,7 +380,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])
     agree = min(sum(a == b for a, b in zip(ar_out, out)) for _, (out, _, _) in passes)
-    verdict = (judge(model, prompt_ids, ar_out, [out for _, (out, _, _) in passes], k if proposer else 0)
+    nodes, levels = proposer.round_shape(k) if proposer else (0, 0)
+    verdict = (judge(model, prompt_ids, ar_out, [out for _, (out, _, _) in passes], nodes)
                if sampling.greedy else None)
     pair_speedups = [(sum(map(len, so)) / ss) / (sum(map(len, ao)) / as_) for (ao, as_, _), (so, ss, _) in passes]
     pair_decode = [_merge(sr)["decode_tokens_per_s"] / _merge(ar_r)["decode_tokens_per_s"]
@@ -382,7 +389,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     reps = [repeated_ngrams(p, t) for p, t in zip(prompt_ids, ar_out)]
     record: dict[str, Any] = {
         "method": method,
-        "k": k if proposer else 0,
+        "k": levels,  # a tree's greatest depth
+        **tree_fields(proposer.tree if proposer else None, m["tau"]),
         "target": str(target),
         "draft": draft,
         "num_prompts": len(prompt_ids),  # that ran
@@ -435,6 +443,29 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4, num_pr
     return record
 
 
+def tree_fields(tree: TreeBudget | StaticTree | None, tau: float) -> dict[str, Any]:
+    """A tree record's settings as SGLang takes them (a static tree's also as vLLM's paths), the
+    tokens verified and accepted per round; nothing for a chain."""
+    if tree is None:
+        return {}
+    if isinstance(tree, TreeBudget):
+        fields: dict[str, Any] = tree.as_dict()
+    else:
+        children = [tree.parents.count(i) for i in range(-1, tree.size)]
+        fields = {"topk": max(children), "steps": tree.depth, "draft_tokens": tree.size + 1,
+                  "tree_paths": tree.to_text()}
+    return {**fields, "verified_tokens": fields["draft_tokens"], "accepted_per_round": tau - 1}
+
+
+def tree_label(record: dict[str, Any]) -> str:
+    """The k column: k for a chain, topk,steps,tokens for a tree (static: "paths N")."""
+    if "tree_paths" in record:
+        return f"paths {record['draft_tokens'] - 1}"
+    if "topk" in record:
+        return f"{record['topk']},{record['steps']},{record['draft_tokens']}"
+    return str(record["k"])
+
+
 def _write_record(json_path: str, record: dict[str, Any]) -> None:
     """``--json F`` after the table: when F cannot be written, the record goes to a temporary file
     that the one-line error names, so that a long measurement is never lost."""
@@ -473,7 +504,7 @@ def print_table(records: list[dict[str, Any]], console) -> None:
     for r in records:
         acc = " ".join(f"{a:.2f}" for a in r["accept_rate_per_pos"]) or "-"
         lossless = verdict_cell(r)
-        table.add_row(r["method"], str(r["k"]), f"{r['tau']:.2f}", acc, f"{r['tokens_per_s']:.1f}",
+        table.add_row(r["method"], tree_label(r), f"{r['tau']:.2f}", acc, f"{r['tokens_per_s']:.1f}",
                       f"{r['ar_tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x", lossless,
                       f"{r['repeated_4grams']:.0%}" if "repeated_4grams" in r else "-")
     console.print(table)
@@ -481,7 +512,7 @@ def print_table(records: list[dict[str, Any]], console) -> None:
                   "(looping text is easy to draft)")
     for r in records:
         if r.get("verdict") not in (None, "exact"):
-            console.print(f"{r['method']} k={r['k']}: lossless {r['verdict']}")
+            console.print(f"{r['method']} {tree_label(r)}: lossless {r['verdict']}")
         if r.get("truncated_prompts"):
             console.print(f"{r['method']}: {r['truncated_prompts']} of {r['num_prompts']} prompts truncated to "
                           f"{r.get('max_prompt_tokens')} tokens (--max-prompt-tokens)")

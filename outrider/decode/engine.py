@@ -2,9 +2,12 @@
 
 Contract: prefill, then per step the method's definition (``SpecEngine.step``):
 
-    propose   a chain of k draft tokens per row (``proposers``; none for plain decoding)
-    verify    one target forward over [last, d_1..d_k]; greedy or rejection sampling (``verify``)
-    commit    the accepted slots of the target's cache; rejected ones stay masked (``kv_cache``)
+    propose   a chain of k draft tokens per row (``proposers``; none for plain decoding), or a tree
+    verify    one target forward over [last, d_1..d_k]; greedy or rejection sampling (``verify``);
+              a tree's nodes under its ancestry mask, at the root's position plus their depth
+              (``verify_tree``)
+    commit    the accepted slots of the target's cache (a tree's: its accepted path); rejected ones
+              stay masked (``kv_cache``)
     observe   emit and count per row (``state.RequestState``), feed the outcome to the proposer
 
 With no proposer the same step is plain autoregressive decoding, so the baseline and the
@@ -16,7 +19,8 @@ a draft pipelined behind verification, whole rounds on the device) wrap the same
 exactly what ``step`` emits; the engine picks one per call. ``graphs=True`` (CUDA) replays each
 target forward width as a CUDA graph; ``compile=True`` fuses the target step with ``torch.compile``.
 
-Not done here: continuous batching (requests join only at prefill), trees, prompt caching.
+Not done here: continuous batching (requests join only at prefill), prompt caching, faster
+strategies for trees (a tree round is the reference step).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from outrider.decode.state import GenerationResult, RequestState
 from outrider.decode.strategies import choose
 from outrider.decode.strategies.rounds import DeviceRounds
 from outrider.decode.verify import verify
+from outrider.decode.verify_tree import verify_tree
 from outrider.errors import UserError, require
+from outrider.ops.tree import as_rows, depths, verify_mask
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
@@ -100,8 +106,10 @@ class SpecEngine:
         """One step, the method's definition: propose -> verify -> commit -> observe."""
         B, k, marks = state.batch, state.k, state.marks
         active = state.active_rows()  # [batch] bool
-        draft = self.propose(state, active)  # a chain of k tokens per row
+        draft = self.propose(state, active)  # a chain of k tokens per row, or a tree
         marks.mark("verify")
+        if not draft.is_chain():
+            return self.tree_step(state, target, draft, active)
         logits = target.forward(torch.cat([state.last[:, None], draft.tokens], dim=1))  # [batch, k+1, vocab]
         res = verify(draft, logits, self.sampling, state.rand)
         n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))  # [batch]
@@ -113,6 +121,28 @@ class SpecEngine:
         if self.proposer is not None:
             marks.mark("observe")
             self.proposer.observe(Outcome(draft, n_acc, res.tokens, state.active_rows(), target.aux))
+        state.last = res.tokens[torch.arange(B, device=self.device), n_acc]
+
+    def tree_step(self, state: RequestState, target: CachedLM, draft: Draft, active: torch.Tensor) -> None:
+        """``step``'s verify, commit and observe for a draft tree of N nodes: one target forward
+        over the root and the nodes under the ancestry mask; the accepted path's slots are kept."""
+        B, N, D = state.batch, draft.tokens.shape[1], draft.levels
+        parents = as_rows(draft.parents.to(self.device), B)  # [batch, N]
+        depth = depths(parents)  # [batch, N]
+        positions = target.lengths[:, None] + torch.cat([depth.new_zeros(B, 1), depth], dim=1)  # [batch, 1+N]
+        real = torch.arange(N, device=self.device)[None, :] < draft.num[:, None]
+        valid = torch.cat([torch.ones_like(real[:, :1]), real], dim=1)  # [batch, 1+N]
+        logits = target.forward(torch.cat([state.last[:, None], draft.tokens], dim=1), positions=positions,
+                                query_valid=valid, new_mask=verify_mask(parents))  # [batch, 1+N, vocab]
+        res = verify_tree(draft, logits, self.sampling, state.rand)
+        n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))  # [batch]
+        host = torch.cat([n_acc[:, None], torch.full_like(n_acc[:, None], D), res.tokens], dim=1).tolist()
+        target.commit(res.keep(N) & active[:, None])
+        state.record(host, D)  # emit up to EOS / max_new_tokens; acceptance counted per depth
+        if self.proposer is not None:
+            state.marks.mark("observe")
+            aux = None if target.aux is None else res.gather(target.aux)  # [batch, D+1, n_aux*hidden]
+            self.proposer.observe(Outcome(draft, n_acc, res.tokens, state.active_rows(), aux))
         state.last = res.tokens[torch.arange(B, device=self.device), n_acc]
 
     def propose(self, state: RequestState, active: torch.Tensor) -> Draft:
@@ -145,7 +175,9 @@ class SpecEngine:
         vocab = self.target.get_output_embeddings().weight.shape[0]
         bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
         require(not bad, f"prompt token id {bad[:1]} outside the target vocabulary of {vocab}")
-        state = RequestState(prompts, k, max_new_tokens, self.eos, self.sampling.seed, dev)
+        # a round verifies `nodes` drafted tokens and accepts at most `levels` (a chain: k and k)
+        nodes, levels = self.proposer.round_shape(k) if self.proposer is not None else (0, 0)
+        state = RequestState(prompts, levels, max_new_tokens, self.eos, self.sampling.seed, dev)
         plens = state.prompt_lens
         P = int(plens.max())
         limit = getattr(self.target.config, "max_position_embeddings", None)
@@ -156,7 +188,7 @@ class SpecEngine:
         width = min(-(-P // PROMPT_BUCKET) * PROMPT_BUCKET, limit or P + PROMPT_BUCKET)
         if not (self.graphs and prefill_graphs_apply(self.target, B, width)):
             width = P
-        max_len = max(P + self._decode_slots(B, k, max_new_tokens) + 1, width)
+        max_len = max(P + self._decode_slots(B, nodes, max_new_tokens) + 1, width)
         aux_ids = self.proposer.aux_layer_ids if self.proposer is not None else None
         target = self._target_lm(B, max_len, aux_ids)
         result = state.result
@@ -207,7 +239,7 @@ class SpecEngine:
     def rounds_apply(self) -> bool:
         """Device rounds, given a static cache: greedy, and a proposer that drafts on the device alone."""
         return (self.rounds > 0 and self.sampling.greedy and getattr(self.proposer, "device_rounds", False)
-                and getattr(self.proposer, "device_side", False))
+                and getattr(self.proposer, "device_side", False) and self.proposer.tree is None)
 
     def _first_token(self, logits: torch.Tensor, state: RequestState) -> torch.Tensor:
         # logits: [batch, vocab]

@@ -2,7 +2,8 @@
 
 Contract: ``launch_text(...)`` returns the Markdown an export writes next to its weights: for each
 engine that can serve the head as written, the launch command (with the server flags the head
-needs: SGLang's draft window) and how it reads the aux ids and options; for an engine that
+needs: SGLang's draft window; a chain of k, or the draft tree measured best: SGLang's EAGLE-2
+budget, vLLM's static ``speculative_token_tree``) and how it reads the aux ids and options; for an engine that
 cannot, one line saying why (``engines`` holds the facts).
 
 Not done here: choosing or writing the ids (``formats``: each format adds its own lines),
@@ -24,17 +25,50 @@ from outrider.interop.engines import (
 )
 from outrider.interop.formats.base import HeadFormat
 from outrider.models import arch_info
+from outrider.ops.tree import StaticTree, TreeBudget
+
+
+def tree_budget_of(tree: TreeBudget | StaticTree | None, k: int) -> tuple[int, int, int]:
+    """SGLang's (topk, steps, draft_tokens) for a chain of k, an EAGLE-2 budget, or a static tree
+    (its widest node's children, its depth, its nodes + 1)."""
+    if isinstance(tree, TreeBudget):
+        return tree.topk, tree.steps, tree.draft_tokens
+    if isinstance(tree, StaticTree):
+        return max(tree.parents.count(i) for i in range(-1, tree.size)), tree.depth, tree.size + 1
+    return 1, k, k + 1
+
+
+def _vllm_tree_lines(tree: TreeBudget | StaticTree | None, spec: dict[str, Any]) -> list[str]:
+    """vLLM's speculative config for the tree (vLLM drafts static trees only), and its caveats."""
+    if isinstance(tree, TreeBudget):
+        return [f"- vLLM drafts static trees only (`speculative_token_tree`): the command above is the chain of "
+                f"k = {spec['num_speculative_tokens']}; SGLang below runs the measured EAGLE-2 tree."]
+    if not isinstance(tree, StaticTree):
+        return []
+    counts = [len(tree.level(d)) for d in range(1, tree.depth + 1)]
+    even = all(b % a == 0 and all(tree.parents.count(i) == b // a for i in tree.level(d))
+               for d, (a, b) in enumerate(zip(counts, counts[1:]), start=1))
+    lines = ["- A static draft tree: run vLLM with its tree attention backend (`VLLM_ATTENTION_BACKEND=TREE_ATTN`)."]
+    if not even:
+        lines.append("- vLLM's tree drafting gives every node of a level the same number of children (it divides "
+                     "the level sizes): this tree's levels are uneven, so vLLM's drafts would not match its mask.")
+    return lines
 
 
 def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
                 nested_note: str, target: str | None, target_cfg: dict[str, Any] | None,
-                model_type: str | None, k: int = 3) -> str:
-    """LAUNCH.md: the engine command lines for this head and what to watch out for."""
+                model_type: str | None, k: int = 3, tree: TreeBudget | StaticTree | None = None) -> str:
+    """LAUNCH.md: the engine command lines for this head and what to watch out for. ``tree``: the
+    draft tree the commands run (SGLang: its budget; vLLM: a static tree's paths) instead of a
+    chain of ``k``."""
     tgt = str(target) if target and str(target) != "default" else "<target model>"
     info = arch_info(target_cfg) if target_cfg is not None else None
     remote = bool(target_cfg and (target_cfg.get("auto_map") or str(info.model_type).startswith("kimi")))
     trc = " --trust-remote-code" if remote else ""
-    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
+    if isinstance(tree, StaticTree):
+        spec.update(num_speculative_tokens=tree.size, speculative_token_tree=tree.to_text())
+    topk, steps, draft_tokens = tree_budget_of(tree, k)
     mla = cfg.attention == "mla"
     written = f"top-level {list(top)} (vLLM)" + ("" if nested is None else f", eagle_config {list(nested)} (SGLang)")
     lines = [f"# Serving this EAGLE-3 head ({fmt.name} format, {'MLA' if mla else 'GQA'} attention)", "",
@@ -54,7 +88,8 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
     else:
         lines += ["```bash", f"vllm serve {tgt}{trc} \\", f"  --speculative-config '{json.dumps(spec)}'", "```", "",
                   "- vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as written (id j = the state "
-                  "entering layer j) and defaults to (2, L//2, L-3) without them.", *(f"- {c}" for c in v_caveats)]
+                  "entering layer j) and defaults to (2, L//2, L-3) without them.", *(f"- {c}" for c in v_caveats),
+                  *_vllm_tree_lines(tree, spec)]
         lines += list(fmt.vllm_notes)
         if info is not None and info.attention == "MLA" and not mla:
             mla_spec = dict(spec, attention_backend="FLASH_ATTN")
@@ -73,8 +108,10 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
         window = f" \\\n  --speculative-draft-window-size {cfg.sliding_window}" if cfg.sliding_window else ""
         lines += ["```bash", f"python -m sglang.launch_server --model-path {tgt}{trc} \\",
                   "  --speculative-algorithm EAGLE3 \\", f"  --speculative-draft-model-path {out} \\",
-                  f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-                  f"{window}", "```", "",
+                  f"  --speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+                  f"--speculative-num-draft-tokens {draft_tokens}{window}", "```", "",
+                  *(["- SGLang builds EAGLE-2 trees, not static ones: these flags give a dynamic tree of the static "
+                     "tree's width, depth and size."] if isinstance(tree, StaticTree) else []),
                   f"- {SGLANG_RULE_NOTE}; the eagle_config ids above are written so that SGLang captures the layers "
                   f"the head was trained on ({nested_note}).", *(f"- {c}" for c in s_caveats), ""]
         if model_type is None:

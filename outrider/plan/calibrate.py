@@ -5,7 +5,10 @@ Contract: ``calibrate(records, shape, hw)`` fits the per-forward overheads (and,
 allow, the memory efficiency) so that predicted AR, verify and draft step times match the measured
 ones, and reports the remaining relative error per record; ``calibrate_measured`` fits the same to
 one decode rate. A ``Calibration`` applies to a ``HardwareProfile`` (``apply``). Records that lack
-step times are ``UserError`` with the field that is missing.
+step times are ``UserError`` with the field that is missing. Tree records (``topk``/``steps``/
+``draft_tokens`` or ``tree_paths``, ``trees.budget_of``) count as chain records do: their
+``verify_step_ms`` is one target forward over ``draft_tokens`` tokens, their ``draft_step_ms`` a
+round of ``steps`` draft forwards, kept per budget (``tree_round_s``); topk 1 is the chain k = steps.
 
 Not done here: measuring (``outrider bench``), predicting (``cost_model``, ``planner``)."""
 
@@ -21,6 +24,7 @@ import numpy as np
 from outrider.errors import UserError
 from outrider.plan.cost_model import ModelShape, allreduce_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
+from outrider.plan.trees import budget_of, is_tree_record
 
 # --------------------------------------------------------------------------------------------
 # Calibration
@@ -39,6 +43,8 @@ class Calibration:
     collectives_per_layer: float | None = None
     draft_round_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)  # method -> k -> s
     draft_round_by_batch: Mapping[str, Mapping[tuple[int, int], float]] = field(default_factory=dict)  # (k, batch)
+    tree_round_s: Mapping[str, Mapping[tuple[int, int, int], float]] = field(default_factory=dict)  # method -> budget
+    tree_round_by_batch: Mapping[str, Mapping[tuple[tuple[int, int, int], int], float]] = field(default_factory=dict)
     token_overhead_s: float = 0.0
     verify_overhead_s: float = 0.0
     points: tuple[tuple[int, int, float, float], ...] = ()  # (new_tokens, batch, measured_s, fitted_s)
@@ -98,6 +104,8 @@ def _parse_timing_records(records: Any, context: int, origin: str):
     points: list[tuple[int, int, int, float]] = []  # (n, b, c, seconds)
     drafts: dict[str, dict[int, float]] = {}
     by_batch: dict[str, dict[tuple[int, int], float]] = {}
+    trees: dict[str, dict[tuple[int, int, int], float]] = {}
+    trees_by_batch: dict[str, dict[tuple[tuple[int, int, int], int], float]] = {}
     def batch_of(r: dict) -> int:
         b = r.get("batch", r.get("batch_size", 1))
         return b if isinstance(b, int) and not isinstance(b, bool) else 1
@@ -108,6 +116,22 @@ def _parse_timing_records(records: Any, context: int, origin: str):
         if not isinstance(b, int) or b < 1 or not isinstance(c, int) or c < 0:
             raise UserError(f"{origin}: 'batch' and 'context' must be integers (batch >= 1, context >= 0)")
         plain = r.get("method") == "ar" or r.get("k") == 0  # an autoregressive record: its steps are n=1
+        if is_tree_record(r) and not plain:
+            budget = budget_of(r, f"{origin}: {r.get('method', '?')} tree record")
+            if budget.is_chain:
+                r = {**r, "k": budget.steps}  # topk 1: the chain of k = steps
+            else:
+                key = (budget.topk, budget.steps, budget.draft_tokens)
+                if r.get("ar_step_ms") is not None:
+                    points.append((1, b, c, _ms(r["ar_step_ms"], "ar_step_ms", origin)))
+                if r.get("verify_step_ms") is not None:
+                    points.append((budget.draft_tokens, b, c, _ms(r["verify_step_ms"], "verify_step_ms", origin)))
+                draft_ms = r.get("draft_step_ms", r.get("propose_step_ms"))
+                if draft_ms is not None and r.get("method"):
+                    s = _ms(draft_ms, "draft_step_ms", origin)
+                    trees.setdefault(str(r["method"]), {})[key] = s
+                    trees_by_batch.setdefault(str(r["method"]), {})[(key, b)] = s
+                continue
         if r.get("ar_step_ms") is not None:
             points.append((1, b, c, _ms(r["ar_step_ms"], "ar_step_ms", origin)))
         if r.get("verify_step_ms") is not None:
@@ -134,7 +158,8 @@ def _parse_timing_records(records: Any, context: int, origin: str):
     merged: dict[tuple[int, int, int], list[float]] = {}
     for n, b, c, s in points:
         merged.setdefault((n, b, c), []).append(s)
-    return [(n, b, c, sum(v) / len(v)) for (n, b, c), v in sorted(merged.items())], drafts, by_batch
+    return ([(n, b, c, sum(v) / len(v)) for (n, b, c), v in sorted(merged.items())], drafts, by_batch,
+            (trees, trees_by_batch))
 
 
 def _split_overhead(total_s: float, shape: ModelShape, hw: HardwareProfile) -> tuple[float, float]:
@@ -177,7 +202,9 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     n instead; in an ``ar`` / k=0 record it is a one-token step), at the record's ``batch``
     (or ``batch_size``, default 1) and ``context`` (default ``context``). ``draft_step_ms`` (or
     ``propose_step_ms``: one round of k proposals) is kept as measured and used for that method, at
-    the record's batch size (other batch sizes take the smallest measured batch's).
+    the record's batch size (other batch sizes take the smallest measured batch's). A tree record's
+    ``verify_step_ms`` is a number: one forward over its ``draft_tokens``; its draft round (``steps``
+    forwards) is kept per budget.
     Measured speedups are never read.
 
     Fit: for each (eta_mem, eta_cmp) on a log grid, the residual is fitted as a fixed overhead O,
@@ -188,7 +215,7 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     efficiencies. The AllReduce term keeps the profile's link latency and bandwidth (give
     ``allreduce_share`` through ``calibrate_measured`` to fit it).
     """
-    points, drafts, by_batch = _parse_timing_records(bench_records, context, origin)
+    points, drafts, by_batch, (trees, trees_by_batch) = _parse_timing_records(bench_records, context, origin)
     base = replace(hw, memory_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
                    token_overhead_s=0.0)
     # per point: (memory seconds at eff 1, compute seconds at eff 1) per term, and fixed seconds
@@ -230,6 +257,7 @@ def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile,
     fitted = dict(zip(columns, coef))  # term -> seconds
     step_s, layer_s = _split_overhead(fitted["step"], shape, hw)
     cal = Calibration(eta_m, eta_c, step_s, layer_s, draft_round_s=drafts, draft_round_by_batch=by_batch, source=origin,
+                      tree_round_s=trees, tree_round_by_batch=trees_by_batch,
                       token_overhead_s=fitted.get("token", 0.0), verify_overhead_s=fitted.get("verify", 0.0))
     fitted_hw = cal.apply(hw)
     residuals = tuple((n, b, y, step_cost(shape, fitted_hw, tp, n, b, c).total_s) for n, b, c, y in points)

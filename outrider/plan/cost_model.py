@@ -18,11 +18,15 @@ Contract:
   ``calibrate_measured`` takes a profiling session's numbers (single-stream tokens/s, share of
   decode time in AllReduce, collectives per token) instead.
 - ``predict`` turns step costs and an ``Acceptance`` into tokens/s and speedup for one
-  method, k (draft tokens per round) and batch size.
+  method, k (draft tokens per round) and batch size. A chain round (EAGLE-3 head, draft model) is
+  k forwards of one token per sequence; a parallel-drafting round (P-EAGLE, method ``parallel``)
+  is ONE forward over k positions per sequence; both are verified over k + 1 tokens. EAGLE-2
+  trees (``steps`` draft forwards, one target forward over ``draft_tokens``) are priced in
+  ``trees`` from the same step costs.
 
 Units are in the names: ``_s`` seconds, ``_bytes``, ``_flops``, ``_per_s``.
 
-Deliberately not modelled: prefill, tree drafts, expert parallelism and its all-to-all
+Deliberately not modelled: prefill, tree shapes beyond SGLang's budget, expert parallelism and its all-to-all
 (tensor parallelism only), load imbalance between GPUs, kernel-level efficiency differences
 between matmul shapes, overlap of communication with compute, memory capacity limits on the
 batch (a note is raised when the weights do not fit, nothing more).
@@ -311,10 +315,13 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: i
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """How a method proposes k tokens: ``ngram`` (free), ``eagle3`` (a head) or ``draft`` (an LM).
+    """How a method proposes k tokens: ``ngram`` (free), ``eagle3`` (a head), ``parallel`` (a
+    parallel-drafting head: all k in one forward) or ``draft`` (an LM).
 
     ``measured_round_s`` maps k to a measured draft round (k proposals) in seconds and, where
     present, replaces the model for that k; ``measured_round_by_batch`` maps (k, batch) and wins.
+    ``measured_tree_round_s`` / ``..._by_batch`` do the same for tree budgets (topk, steps,
+    draft_tokens) (and ((topk, steps, draft_tokens), batch)).
     """
 
     method: str
@@ -322,6 +329,8 @@ class DraftSpec:
     fc_params: int = 0  # EAGLE-3: fc over the three aux states, once per round
     measured_round_s: Mapping[int, float] = field(default_factory=dict)
     measured_round_by_batch: Mapping[tuple[int, int], float] = field(default_factory=dict)  # (k, batch) -> s
+    measured_tree_round_s: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
+    measured_tree_round_by_batch: Mapping[tuple[tuple[int, int, int], int], float] = field(default_factory=dict)
 
 
 def eagle3_head_shape(target: ArchInfo, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
@@ -353,14 +362,19 @@ def draft_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, k: int, bat
     n-gram: 0 (a lookup on the host, overlapped). EAGLE-3 head / draft model: k sequential
     forwards of one token per sequence, each with its per-layer overhead but no per-step one
     (they run inside the engine's step), plus, for EAGLE-3, one fc over the aux states.
+    Parallel drafting: ONE forward over k positions per sequence (the accepted token and k - 1
+    placeholders), plus the fc.
     """
     measured = draft.measured_round_by_batch.get((k, batch), draft.measured_round_s.get(k))
     if measured is not None:
         return StepCost((Term("draft (measured)", measured, bound="overhead"),), k, batch, context)
     if draft.method == "ngram" or draft.shape is None:
         return StepCost((Term("draft (n-gram lookup)", 0.0, bound="overhead"),), k, batch, context)
-    one = step_cost(draft.shape, hw, tp, 1, batch, context, include_step_overhead=False)
-    cost = one.scaled(k, prefix="draft ")
+    if draft.method == "parallel":
+        cost = step_cost(draft.shape, hw, tp, k, batch, context, include_step_overhead=False).scaled(1.0, "draft ")
+    else:
+        one = step_cost(draft.shape, hw, tp, 1, batch, context, include_step_overhead=False)
+        cost = one.scaled(k, prefix="draft ")
     if draft.fc_params:
         fc = _roofline("draft fc", draft.fc_params * draft.shape.precision.other.bytes_per_param / tp,
                        2 * draft.fc_params * batch / tp, hw)
@@ -394,6 +408,9 @@ class Prediction:
     tokens_per_round: float | None = None  # lockstep: tokens a row gains per round of its batch
     memory_bytes: float = 0.0  # per GPU: weights + KV cache at the plan's context (``memory_per_gpu``)
     fits: bool = True  # memory_bytes within the GPU's memory
+    draft_kind: str = "chain"  # "chain" | "tree" (EAGLE-2 budget) | "parallel" (one draft forward)
+    tree: tuple[int, int, int] | None = None  # SGLang's (topk, steps, draft_tokens); a chain of k is (1, k, k+1)
+    launch: str | None = None  # the serving flags of this row (SGLang's for EAGLE-3 chains and trees)
 
     def dominant(self, top: int = 2) -> list[tuple[str, float]]:
         """Largest terms of the whole speculative step (draft round + verify)."""
@@ -415,6 +432,9 @@ class Prediction:
             "dominant_terms": [{"term": n, "share": round(s, 4)} for n, s in self.dominant(3)],
             "memory_gb_per_gpu": round(self.memory_bytes / 1e9, 3), "fits_memory": self.fits,
             "verify_terms_ms": _terms_ms(self.verify), "draft_terms_ms": _terms_ms(self.draft),
+            "draft": self.draft_kind, "topk": self.tree[0] if self.tree else None,
+            "steps": self.tree[1] if self.tree else None, "draft_tokens": self.tree[2] if self.tree else None,
+            "launch": self.launch,
         }
 
 
@@ -442,4 +462,5 @@ def predict(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, acceptance
     spec_tps = batch * e / (verify.total_s + drafting.total_s)
     ar_tps = batch / ar.total_s
     return Prediction(draft.method, k, batch, e, ar.total_s, verify.total_s, drafting.total_s,
-                      spec_tps, ar_tps, spec_tps / ar_tps, verify.total_s / ar.total_s, verify, drafting)
+                      spec_tps, ar_tps, spec_tps / ar_tps, verify.total_s / ar.total_s, verify, drafting,
+                      draft_kind="parallel" if draft.method == "parallel" else "chain")

@@ -9,7 +9,8 @@ Contract:
   --json``), ``vllm_metrics`` (vLLM's Prometheus counters ``vllm:spec_decode_num_drafts``,
   ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos{position=i}``, as scraped text
   or as numbers) and ``sglang_metrics`` (``sglang:spec_accept_length`` / server info's
-  ``avg_spec_accept_length``), each with its ``method`` and ``k``; or the list of records
+  ``avg_spec_accept_length``), each with its ``method`` and ``k`` (a topk-1 tree record is the chain
+  k = steps; wider tree records belong in ``plan --acceptance``); or the list of records
   ``outrider bench --server --json`` writes (``plan.served_records``). The older keys
   ``single_stream_tokens_per_s`` and ``allreduce_share`` mean batch-1 decode and share.
 - ``fit_profile(shape, hw, tp, measured)`` fits the profile's free parameters: collectives per
@@ -38,6 +39,7 @@ from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
 from outrider.plan.served_records import is_served
+from outrider.plan.trees import budget_of, is_tree_record
 from outrider.plan.served_records import measurements as served_measurements
 
 KEYS = ("decode_tokens_per_s", "collective_share", "collectives_per_token", "tp", "context", "source",
@@ -202,6 +204,12 @@ def read_measured(data: Any, origin: str = "measured", base: Path | None = None)
         if not isinstance(recs, list):
             raise UserError(f"{origin}: 'acceptance' must be bench records (a list of JSON objects)")
         for r in recs:
+            if isinstance(r, Mapping) and is_tree_record(r):  # topk 1: the chain k = steps; wider: --acceptance
+                budget = budget_of(r, f"{origin}: 'acceptance' tree record")
+                if not budget.is_chain:
+                    raise UserError(f"{origin}: 'acceptance' holds a tree record ({budget.label()}): give tree "
+                                    "records with --acceptance")
+                r = {**r, "k": budget.steps}
             method, k = _method_k(r if isinstance(r, Mapping) else {}, "acceptance", origin)
             if method != "ar":
                 accept.setdefault(method, {})[k or len(r.get("accept_rate_per_pos") or [])] = \

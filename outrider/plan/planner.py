@@ -9,7 +9,14 @@ Contract:
 - Acceptance per method comes from a bench JSON (``acceptance``: records with ``method``,
   ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
-  low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed.
+  low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed. Parallel drafting
+  (method ``parallel``: one draft forward over k positions) is planned only from its records.
+- Tree records (method ``eagle3`` with ``topk``/``steps``/``draft_tokens`` or ``tree_paths``, and
+  ``tau``; ``trees.budget_of``) give one row per measured budget (method ``eagle3-tree``, tokens
+  per round = the measured tau, never extrapolated); a topk-1 record is the chain k = steps.
+  Rows carry ``draft`` (chain | tree | parallel), ``topk``/``steps``/``draft_tokens`` and
+  ``launch`` (SGLang's flags for EAGLE-3 chains and trees). The recommendation is the fastest row
+  that fits; chains come first, so a tree must be strictly faster to be chosen.
 - ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
   ``verify_step_ms``...) or a JSON object of measured inputs
   (``single_stream_tokens_per_s``, ``allreduce_share``, ``collectives_per_token``); see
@@ -30,8 +37,8 @@ GQA's keys and values, split by KV head); a row that does not fit the GPU says s
 the sizes, and the recommendation skips it.
 
 Not done here: plots (``plan --plot`` draws ``rows`` through ``outrider.report.plots``, joined in
-``cli``), measuring anything (``bench`` does), choosing tree shapes, activations and engine
-workspace in the memory estimate.
+``cli``), measuring anything (``bench`` does), inventing tree budgets nobody measured,
+activations and engine workspace in the memory estimate.
 """
 
 from __future__ import annotations
@@ -72,11 +79,14 @@ from outrider.plan.hardware import (
 )
 from outrider.plan.measured import Fit, fit_profile, load_measured
 from outrider.plan.presets import resolve_target
+from outrider.plan.trees import TreeBudget, TreeEntry, budget_of, chain_budget, is_tree_record, predict_tree, \
+    sglang_launch, tree_entry
 from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
-METHODS = ("eagle3", "draft", "ngram")
+METHODS = ("eagle3", "draft", "ngram", "parallel")
+TREE_METHODS = ("eagle3",)  # methods whose draft trees are priced (EAGLE-2 over an EAGLE-3 head)
 
 
 @dataclass(frozen=True)
@@ -87,10 +97,15 @@ class Recommendation:
     speedup: float
     tokens_per_s: float
     text: str
+    draft: str | None = None  # chain | tree | parallel
+    tree: tuple[int, int, int] | None = None  # SGLang's (topk, steps, draft_tokens)
+    launch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, "method": self.method, "k": self.k, "speedup": self.speedup,
-                "tokens_per_s": self.tokens_per_s, "text": self.text}
+                "tokens_per_s": self.tokens_per_s, "text": self.text, "draft": self.draft,
+                "topk": self.tree[0] if self.tree else None, "steps": self.tree[1] if self.tree else None,
+                "draft_tokens": self.tree[2] if self.tree else None, "launch": self.launch}
 
 
 @dataclass
@@ -130,22 +145,41 @@ def _records(data: Any, path: str) -> list[dict]:
 
 
 def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
-    """method -> k -> Acceptance from a bench JSON; autoregressive records are skipped."""
+    """method -> k -> Acceptance from a bench JSON; autoregressive records are skipped, tree records
+    (``topk`` > 1) are left to ``trees_from_bench``, topk-1 ones are the chain k = steps."""
+    return bench_acceptance(path)[0]
+
+
+def trees_from_bench(path: str) -> dict[str, dict[TreeBudget, TreeEntry]]:
+    """method -> measured budget (topk, steps, draft_tokens) -> its tau, from a bench JSON."""
+    return bench_acceptance(path)[1]
+
+
+def bench_acceptance(path: str) -> tuple[dict[str, dict[int, Acceptance]], dict[str, dict[TreeBudget, TreeEntry]]]:
+    """Chains (method -> k -> Acceptance) and trees (method -> budget -> TreeEntry) of a bench JSON."""
     out: dict[str, dict[int, Acceptance]] = {}
+    trees: dict[str, dict[TreeBudget, TreeEntry]] = {}
     for i, r in enumerate(_records(read_json(path, "acceptance"), path)):
         method = r.get("method")
         if not isinstance(method, str):
             raise UserError(f"{path}: record {i} has no 'method'")
         if method == "ar":
             continue
+        if is_tree_record(r):
+            where = f"{path}: record {i} ({method})"
+            budget = budget_of(r, where)
+            if not budget.is_chain:
+                trees.setdefault(method, {})[budget] = tree_entry(r, where, Path(path).name)
+                continue
+            r = {**r, "k": budget.steps}  # topk 1: the chain of k = steps
         k = r.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise UserError(f"{path}: record {i} ({method}) needs an integer 'k' >= 1")
         _check_tau(r, k, f"{path}: record {i} ({method})")
         out.setdefault(method, {})[k] = Acceptance.from_record(r, origin=Path(path).name)
-    if not out:
+    if not out and not trees:
         raise UserError(f"{path}: no speculative records (method eagle3, ngram or draft) to take acceptance from")
-    return out
+    return out, trees
 
 
 def _number(value: Any) -> bool:
@@ -182,7 +216,7 @@ def _spread(path: str) -> RowSpread | None:
     """Rows of the first batch-1 record with per-prompt tau and steps (``bench`` writes them)."""
     for r in _records(read_json(path, "acceptance"), path):
         taus, steps = r.get("tau_per_batch"), r.get("row_steps_per_batch")
-        if (r.get("batch_size", 1) == 1 and r.get("method") in METHODS and isinstance(taus, list)
+        if (r.get("batch_size", 1) == 1 and r.get("method") in METHODS and not is_tree_record(r) and isinstance(taus, list)
                 and isinstance(steps, list) and len(taus) == len(steps) >= 4):
             acc = Acceptance.from_record(r, origin=Path(path).name)
             return spread_from_bench(acc.rates, taus, steps, int(r.get("max_new_tokens", 128)),
@@ -244,6 +278,36 @@ def _term_list(terms: list[tuple[str, float]]) -> str:
     return ", ".join(f"{n} {s:.0%}" for n, s in terms)
 
 
+def _tree_acceptance(entry: TreeEntry) -> Acceptance:
+    """A tree's accepted length per round as a chain of ``steps`` (its per-depth rates, gated to its
+    tau), for the lockstep rounds model only."""
+    b = entry.budget
+    if entry.rates:
+        return Acceptance.from_record({"method": "eagle3-tree", "k": b.steps, "tau": entry.tau,
+                                       "accept_rate_per_pos": list(entry.rates)}, origin=entry.source)
+    if entry.tau >= b.steps + 1:
+        return Acceptance((1.0,), entry.source)
+    return Acceptance.from_tau(entry.tau, b.steps, source=entry.source)
+
+
+def _option(p: Prediction, sep: str = " with ") -> str:
+    """A row's method and its setting: k, or a tree's budget."""
+    if p.draft_kind == "tree" and p.tree:
+        return f"{p.method} topk={p.tree[0]} steps={p.tree[1]} draft_tokens={p.tree[2]}"
+    return f"{p.method}{sep}k={p.k}"
+
+
+def _launch(p: Prediction) -> Prediction:
+    """Name a chain or parallel row's serving settings (trees name theirs in ``predict_tree``)."""
+    if p.method == "eagle3" and p.draft_kind == "chain":
+        b = chain_budget(p.k)
+        return replace(p, tree=(b.topk, b.steps, b.draft_tokens), launch=sglang_launch(b))
+    if p.method == "parallel":
+        return replace(p, launch=f"vLLM --speculative-config '{{\"method\": \"eagle3\", \"model\": HEAD, "
+                                 f"\"num_speculative_tokens\": {p.k}, \"parallel_drafting\": true}}'")
+    return p
+
+
 def _recommend(batch: int, preds: list[Prediction], need: float = 0.0,
                hw: HardwareProfile | None = None) -> Recommendation:
     """The fastest of ``preds`` (the rows that fit memory); none fit: say so (``need`` bytes per GPU)."""
@@ -251,15 +315,16 @@ def _recommend(batch: int, preds: list[Prediction], need: float = 0.0,
         cap = f" > {hw.memory_capacity_bytes / 1e9:.0f} GB" if hw is not None else ""
         return Recommendation(batch, None, None, 0.0, 0.0, f"batch {batch}: does not fit: {need / 1e9:,.1f} GB per "
                               f"GPU of weights and KV cache{cap}; lower the batch or --context, or raise --tp")
-    best = max(preds, key=lambda p: p.speedup)
+    best = max(preds, key=lambda p: p.speedup)  # first of equals: chains before trees
     if best.speedup > 1.0:
-        text = (f"batch {batch}: {best.method} with k={best.k} -> {best.speedup:.2f}x "
+        text = (f"batch {batch}: {_option(best)} -> {best.speedup:.2f}x "
                 f"({best.tokens_per_s:,.0f} vs {best.ar_tokens_per_s:,.0f} tok/s); "
                 f"{best.expected_tokens:.2f} tokens per step for {best.verify_cost_ratio:.2f}x the cost of a plain step; "
-                f"dominant terms: {_term_list(best.dominant(3))}")
-        return Recommendation(batch, best.method, best.k, best.speedup, best.tokens_per_s, text)
+                f"dominant terms: {_term_list(best.dominant(3))}" + (f"; launch: {best.launch}" if best.launch else ""))
+        return Recommendation(batch, best.method, best.k, best.speedup, best.tokens_per_s, text, best.draft_kind,
+                              best.tree, best.launch)
     verify_shares = best.verify.shares()
-    text = (f"batch {batch}: do not speculate: the best option, {best.method} k={best.k}, predicts "
+    text = (f"batch {batch}: do not speculate: the best option, {_option(best, ' ')}, predicts "
             f"{best.speedup:.2f}x: {best.expected_tokens:.2f} tokens per step do not pay for a verify step "
             f"{best.verify_cost_ratio:.2f}x a plain one plus {best.draft_round_s * 1e3:.2f} ms of drafting; "
             f"verify step dominated by {_term_list(verify_shares[:3])}")
@@ -330,7 +395,9 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise UserError(f"--new-tokens must be an integer >= 1, got {new_tokens!r}")
 
-    drafts: dict[str, DraftSpec] = {"eagle3": eagle3_head_shape(arch, draft_vocab), "ngram": DraftSpec("ngram")}
+    head = eagle3_head_shape(arch, draft_vocab)
+    drafts: dict[str, DraftSpec] = {"eagle3": head, "ngram": DraftSpec("ngram"),
+                                    "parallel": replace(head, method="parallel")}
     if draft is not None:
         dname, darch, dprec = resolve_target(draft)
         if darch.vocab_size != arch.vocab_size:
@@ -341,14 +408,21 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     if calibration is not None:
         for method, table in calibration.draft_round_s.items():
             if method in drafts:
-                d = drafts[method]
-                drafts[method] = DraftSpec(d.method, d.shape, d.fc_params, dict(table),
-                                           dict(calibration.draft_round_by_batch.get(method, {})))
+                drafts[method] = replace(drafts[method], measured_round_s=dict(table),
+                                         measured_round_by_batch=dict(calibration.draft_round_by_batch.get(method, {})))
+        for method, ttable in calibration.tree_round_s.items():
+            if method in drafts:
+                drafts[method] = replace(drafts[method], measured_tree_round_s=dict(ttable),
+                                         measured_tree_round_by_batch=dict(calibration.tree_round_by_batch.get(method, {})))
 
     accept: dict[str, dict[int, Acceptance]]
+    trees: dict[str, dict[TreeBudget, TreeEntry]] = {}
     sources: dict[str, str] = {}
     if acceptance is not None:
-        accept = acceptance_from_bench(acceptance)
+        accept, trees = bench_acceptance(acceptance)
+        for m in sorted(set(trees) - set(TREE_METHODS)):
+            notes.append(f"{Path(acceptance).name}: trees of method '{m}' are not modelled; skipped")
+            del trees[m]
         for m in sorted(set(accept) - set(METHODS)):
             notes.append(f"{Path(acceptance).name}: method '{m}' is not modelled; skipped")
             del accept[m]
@@ -357,6 +431,8 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
             del accept["draft"]
         for m, table in accept.items():
             sources[m] = ", ".join(a.source for _, a in sorted(table.items()))
+        for m, ttable in trees.items():
+            sources[f"{m}-tree"] = ", ".join(e.source for _, e in sorted(ttable.items()))
     else:
         if tau is not None:
             spec_acc = Acceptance.from_tau(float(tau), tau_k)
@@ -386,7 +462,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
     spread = (_spread(acceptance) if acceptance is not None else None) or measured_spread()
     if batching == "lockstep":
         notes.append(f"lockstep batches of replies up to {new_tokens} tokens, rows as unlike as {spread.source}")
-    rounds: dict[tuple[str, int], RoundsModel] = {}
+    rounds: dict[tuple[str, Any], RoundsModel] = {}
     predictions: list[Prediction] = []
     for b in batches:
         for m in METHODS:
@@ -399,6 +475,15 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
                     if (m, k) not in rounds:
                         rounds[(m, k)] = RoundsModel(acc, k, spread, new_tokens)
                     pred = batched(pred, rounds[(m, k)], batching)
+                predictions.append(_launch(pred))
+        for m, ttable in trees.items():
+            for budget, entry in sorted(ttable.items()):
+                pred = predict_tree(shape, hw, drafts[m], budget, entry.tau, b, tp, context, method=f"{m}-tree")
+                if batching == "lockstep":
+                    key = (f"{m}-tree", budget)
+                    if key not in rounds:
+                        rounds[key] = RoundsModel(_tree_acceptance(entry), budget.steps, spread, new_tokens)
+                    pred = batched(pred, rounds[key], batching)
                 predictions.append(pred)
     kv_token, tokens = kv_bytes_per_token(shape, tp), context + new_tokens
     for i, p in enumerate(predictions):
@@ -436,11 +521,12 @@ def _print(result: PlanResult, shape: ModelShape, console) -> None:
         title = (f"batch {b}: autoregressive {preds[0].ar_tokens_per_s:,.0f} tok/s, step {ar.total_s * 1e3:.2f} ms "
                  f"({_term_list(ar.dominant(2))})")
         table = Table(title=title, title_justify="left")
-        for col in ("method", "k", "E\\[tok]", "verify/AR", "draft ms", "step ms", "tok/s", "speedup", "GB/GPU"):
+        for col in ("method", "k", "topk,steps,tokens", "E\\[tok]", "verify/AR", "draft ms", "step ms", "tok/s", "speedup", "GB/GPU"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for p in preds:
             style = "green" if p.speedup > 1.0 else "red"
-            table.add_row(p.method, str(p.k), f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
+            budget = ",".join(map(str, p.tree)) if p.tree else "-"
+            table.add_row(p.method, str(p.k), budget, f"{p.expected_tokens:.2f}", f"{p.verify_cost_ratio:.2f}",
                           f"{p.draft_round_s * 1e3:.3f}", f"{(p.verify_step_s + p.draft_round_s) * 1e3:.2f}",
                           f"{p.tokens_per_s:,.0f}", f"[{style}]{p.speedup:.2f}x[/{style}]",
                           f"{p.memory_bytes / 1e9:,.0f}" + ("" if p.fits else " [red]no fit[/red]"))
@@ -453,6 +539,6 @@ def _print(result: PlanResult, shape: ModelShape, console) -> None:
             console.print(f"  batch {b}: measured {meas:,.1f} tok/s, fitted {fitted:,.1f}", highlight=False)
     console.print("[bold]Recommendation[/bold]")
     for r in result.recommendations:
-        console.print(f"  {r.text}")
+        console.print(f"  {r.text}", highlight=False)
     for n in result.notes:
         console.print(f"  note: {n}")

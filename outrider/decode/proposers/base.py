@@ -1,7 +1,8 @@
 """The proposer protocol that ``SpecEngine`` drives.
 
 Contract: the engine calls ``start(ctx)`` once after the target's prefill, then per step
-``propose(k) -> Draft`` (a chain of k tokens per row, possibly fewer real ones) and, after verification,
+``propose(k) -> Draft`` (a chain of k tokens per row, possibly fewer real ones; a proposer with a
+``tree`` drafts trees of its own shape) and, after verification,
 ``observe(outcome)``. A proposer never sees the target's logits of future positions, and it
 never changes what the verifier emits: it only proposes. Probabilities ``q`` are returned when
 the proposer sampled from a distribution; a deterministic proposer returns ``q=None`` and is
@@ -28,12 +29,14 @@ def _chain_parents(n: int) -> torch.Tensor:
 class Draft:
     """A draft tree per row: node i's token is ``tokens[:, i]``, its parent ``parents[i]`` (-1: the
     root, the last committed token; parents precede children). A chain of k is the tree whose
-    parents are i-1 (``Draft.chain``); the proposers draft chains and the verifier takes chains."""
+    parents are i-1 (``Draft.chain``); EAGLE-2 trees choose their shape per row (``parents``
+    ``[batch, N]``). ``depth`` is the tree's greatest depth (a chain's: k)."""
 
     tokens: torch.Tensor  # [batch, N] long; nodes >= num[b] are padding
-    parents: torch.Tensor  # [N] long, on the host: each node's parent, -1 for the root
+    parents: torch.Tensor  # [N] long on the host, or [batch, N] on the device: each node's parent, -1 the root
     num: torch.Tensor  # [batch] long, real nodes per row
     q: torch.Tensor | None = None  # [batch, N, vocab] draft probabilities, or None (point mass)
+    depth: int | None = None  # the greatest depth of a node (None: a chain, N)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, num: torch.Tensor, q: torch.Tensor | None = None) -> "Draft":
@@ -41,7 +44,12 @@ class Draft:
         return cls(tokens, _chain_parents(tokens.shape[1]), num, q)
 
     def is_chain(self) -> bool:
-        return torch.equal(self.parents, _chain_parents(self.tokens.shape[1]))
+        return self.parents.dim() == 1 and torch.equal(self.parents, _chain_parents(self.tokens.shape[1]))
+
+    @property
+    def levels(self) -> int:
+        """The greatest depth of a node: the most tokens a round can accept."""
+        return self.tokens.shape[1] if self.depth is None else self.depth
 
 
 @dataclass
@@ -77,6 +85,11 @@ class Proposer:
     # True: ``propose_device`` drafts greedily with plain device operations (no graph replay, no
     # host value), so the engine may run whole rounds on the device (``decode.strategies.rounds``)
     device_rounds = False
+    tree = None  # a draft tree's shape (``ops.tree``: TreeBudget or StaticTree); None: chains
+
+    def round_shape(self, k: int) -> tuple[int, int]:
+        """(nodes verified, greatest depth) of a round drafted with ``k``: a chain's (k, k)."""
+        return k, k
 
     @classmethod
     def build(cls, target: torch.nn.Module, draft: object = None, **options: object) -> "Proposer":

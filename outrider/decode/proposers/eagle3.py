@@ -21,7 +21,9 @@ engine compiles its step, ``torch.compile`` fuses the pending step (the alignmen
 verified pairs, then positions, slots, mask and the head's layer) and each greedy link of the
 chain (a draw and the step that feeds it back) first.
 
-Not done here: tree drafting (EAGLE-2 dynamic trees), graphs for sampled drafting.
+With ``tree`` set, each round drafts a tree instead (``tree_draft``: EAGLE-2 or a static tree).
+
+Not done here: graphs for sampled drafting or for trees.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from outrider.ops.graphs import capture_graph, compiled
+from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.proposers.tree_draft import TreeDrafter, tree_slots
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
 
@@ -47,17 +51,20 @@ class HeadCache:
     of the head's single layer (an MLA head's per-head keys and values), ``slots`` the first
     multiple of ``SLOT_ALIGN`` above ``max_len``.
 
-    Slot ``s < max_len`` holds position ``s``; slot ``max_len`` is scratch for padding entries; the
-    slots after it stay masked. ``write`` sets where the next ``update`` scatters (``[batch, n]``
+    Slot ``s < max_len`` holds position ``s``; slot ``max_len`` is scratch for padding entries;
+    ``tree_slots`` slots after it hold a draft tree's nodes (``tree_draft``); the slots after those
+    stay masked. ``write`` sets where the next ``update`` scatters (``[batch, n]``
     slots). The buffers exist from the start, so a compiled step sees the same tensors (and
     guards) on every call. ``window`` > 0: a query at p sees slots p - window + 1 .. p only.
     """
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, v_head_dim: int | None = None, window: int = 0):
+                 device: torch.device, v_head_dim: int | None = None, window: int = 0, tree_slots: int = 0):
         self.max_len, self.window = max_len, window
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
-        size = -(-(max_len + 1) // SLOT_ALIGN) * SLOT_ALIGN  # slots past the scratch one are never seen
+        self.tree_base = max_len + 1  # a draft tree's nodes write slots tree_base.. (seen by their descendants only)
+        self.tree_slots = tree_slots
+        size = -(-(max_len + 1 + tree_slots) // SLOT_ALIGN) * SLOT_ALIGN  # slots past these are never seen
         self.slots = torch.arange(size, device=device)  # [size]
         self.write: torch.Tensor | None = None
         self.keys = torch.zeros(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
@@ -86,8 +93,9 @@ class Eagle3Proposer(Proposer):
     device_side = True
     device_rounds = True
 
-    def __init__(self, head: torch.nn.Module, target: torch.nn.Module):
+    def __init__(self, head: torch.nn.Module, target: torch.nn.Module, tree: TreeBudget | StaticTree | None = None):
         self.head = head
+        self.tree = tree  # draft trees of this shape instead of chains (``tree_draft``)
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
@@ -96,14 +104,22 @@ class Eagle3Proposer(Proposer):
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
 
     @classmethod
-    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, **options: object) -> "Eagle3Proposer":
-        return cls(draft, target)
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeBudget | StaticTree | None = None,
+              **options: object) -> "Eagle3Proposer":
+        return cls(draft, target, tree=tree)
+
+    def round_shape(self, k: int) -> tuple[int, int]:
+        if isinstance(self.tree, TreeBudget):
+            return self.tree.nodes, self.tree.steps
+        if isinstance(self.tree, StaticTree):
+            return self.tree.size, self.tree.depth
+        return k, k
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
         B = len(ctx.histories)
         self.dev = ctx.device
-        self.use_graphs = ctx.graphs and self.dev.type == "cuda" and ctx.sampling.greedy
+        self.use_graphs = ctx.graphs and self.dev.type == "cuda" and ctx.sampling.greedy and self.tree is None
         old = self._pool.get(B) if self.use_graphs else None
         if old is not None and old[0].max_len >= ctx.max_len:
             self.cache, self._graphs = old  # reused with its graphs: stale entries sit past the lengths, masked
@@ -112,7 +128,8 @@ class Eagle3Proposer(Proposer):
             size = -(-ctx.max_len // 512) * 512 if self.use_graphs or ctx.compile else ctx.max_len
             attn = self.head.midlayer.self_attn
             self.cache = HeadCache(B, size, attn.num_kv_heads, attn.head_dim, self.head.fc.weight.dtype, self.dev,
-                                   v_head_dim=attn.v_head_dim, window=self.head.config.sliding_window)
+                                   v_head_dim=attn.v_head_dim, window=self.head.config.sliding_window,
+                                   tree_slots=0 if self.tree is None else tree_slots(self.tree))
             self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (batch, width, k, prompt) -> graph
             if self.use_graphs:  # one cache (and its graphs) per batch size
                 self._pool[B] = (self.cache, self._graphs)
@@ -249,6 +266,8 @@ class Eagle3Proposer(Proposer):
 
     @torch.no_grad()
     def propose(self, k: int) -> Draft:
+        if self.tree is not None:
+            return self.propose_tree()
         aux, nxt, valid = self.pending
         B = nxt.shape[0]
         self._offset(max(k - 2, 0))  # the chain's offsets exist before any graph is captured
@@ -259,6 +278,18 @@ class Eagle3Proposer(Proposer):
         else:
             tokens, q = self._chain(aux, nxt, valid, k, prompt)
         return Draft.chain(tokens, torch.full((B,), k, device=self.dev), q)
+
+    @torch.no_grad()
+    def propose_tree(self) -> Draft:
+        """The pending step, then a tree of ``self.tree``'s shape from its hidden_out (``tree_draft``):
+        top-k nodes, verified as point masses."""
+        aux, nxt, valid = self.pending
+        prompt, self._prompt_pending = self._prompt_pending, False
+        h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
+        drafter = TreeDrafter(self.head, self.embedding, self.cache, self.tree)
+        tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N] each
+        nodes, levels = self.round_shape(0)
+        return Draft(tokens, parents, torch.full((nxt.shape[0],), nodes, device=self.dev), None, depth=levels)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""

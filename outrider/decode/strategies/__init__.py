@@ -10,7 +10,7 @@ them on the CPU in float32):
   behind the verification, before the host reads its outcome (``pipelined``);
 - ``RoundChunks`` (greedy, a ``device_rounds`` proposer): after one pipelined step, whole rounds
   (verify, accept, commit, draft) on the device, several per synchronisation (``rounds``);
-- otherwise the reference step itself.
+- otherwise (draft trees among them) the reference step itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def choose(engine: Any, target: CachedLM) -> Callable[[RequestState], None]:
     """The strategy for ``engine`` (a ``SpecEngine``) decoding over ``target`` this call."""
     if engine.proposer is None and engine.sampling.greedy:
         return GreedyChunks(target, engine.AR_CHUNK)
-    if not (target.cache.static and getattr(engine.proposer, "device_side", False)):
+    proposer = engine.proposer
+    if proposer is None or proposer.tree is not None or not (target.cache.static and proposer.device_side):
         return lambda state: engine.step(state, target)
     first = PipelinedStep(engine, target)
     if engine.rounds_apply():

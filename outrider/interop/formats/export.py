@@ -47,6 +47,7 @@ from outrider.interop.engines import option_issues, serves_last_layer
 from outrider.interop.formats import get_format
 from outrider.interop.formats.base import AuxIds
 from outrider.interop.launch import launch_text
+from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.models import (
     arch_info,
     load_config_dict,
@@ -250,14 +251,15 @@ def _options(cfg: Eagle3Config) -> dict[str, Any]:
 
 def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, target: str | None = None, *,
            dtype: str = "bfloat16", num_speculative_tokens: int = 3, include_embeddings: bool = False,
-           extra: dict[str, Any] | None = None) -> ExportReport:
+           extra: dict[str, Any] | None = None, tree: TreeBudget | StaticTree | None = None) -> ExportReport:
     """Write a servable checkpoint of a head (in memory, or a checkpoint folder) in ``format``.
 
     ``target`` (a local model folder, GGUF file or ``default``) is checked against the head,
     recorded as the model the head was trained for and used in LAUNCH.md and for SGLang's aux-id
     rule. ``include_embeddings`` copies the target's input embedding into the checkpoint as
     ``embed_tokens.weight`` (SpecForge expects it; the engines share the target's); the
-    ``speculators`` format always carries it.
+    ``speculators`` format always carries it. ``tree`` (``ops.tree``) puts a draft tree's flags in
+    LAUNCH.md instead of the chain of ``num_speculative_tokens``.
     """
     fmt = get_format(format)
     if dtype not in DTYPES:
@@ -319,7 +321,7 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     notes += engine_notes(cfg, model_type, num_layers, nested_note)
     out = Path(out).expanduser().resolve()
     launch = launch_text(fmt, out, cfg, top, nested, nested_note, target, target_cfg, model_type,
-                         num_speculative_tokens)
+                         num_speculative_tokens, tree=tree)
     reference = copy.deepcopy(original).to(device="cpu", dtype=torch_dtype).eval()
     from safetensors.torch import save_file
 
