@@ -8,7 +8,7 @@ from tiny import tiny_config
 
 from outrider.errors import UserError
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
-from outrider.train.ttt import ttt_loss
+from outrider.train.loop.ttt import ttt_loss
 
 VD = 40
 
