@@ -178,7 +178,10 @@ class TrainConfig:
         options = {"fc_norm": self.head_fc_norm, "norm_before_fc": self.head_norm_before_fc,
                    "norm_output": self.head_norm_output, "norm_before_residual": self.head_norm_before_residual,
                    "sliding_window": self.head_sliding_window, "parallel_drafting": self.parallel_drafting}
-        return {k: v for k, v in options.items() if v}
+        out = {k: v for k, v in options.items() if v}
+        if self.parallel_drafting and self.mask_token_id is not None:  # id 0 is a token: not filtered
+            out["mask_token_id"] = self.mask_token_id
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
