@@ -138,6 +138,8 @@ class HeadSpec:
             "trained_for": self.trained_for, "target_record": self.target_record, "torch_dtype": self.torch_dtype,
             "quantization": self.quantization, "unsupported": self.unsupported, "mla": self.mla,
             "options": self.options, "sliding_window": c.sliding_window,
+            "parallel_drafting": bool(c.parallel_drafting),
+            "mask_token_id": c.mask_token_id if c.parallel_drafting else None,
         })
 
 
