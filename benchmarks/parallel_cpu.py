@@ -1,6 +1,6 @@
 """Parallel drafting (P-EAGLE) against EAGLE-3 on the CPU: same data, same optimizer steps.
 
-    python benchmarks/parallel_cpu.py [--data DIR] [--work DIR] [--steps 100] [--ttt-steps 5]
+    python benchmarks/parallel_cpu.py [--data DIR] [--work DIR] [--steps 100] [--ttt-steps 5] [--max-length 384]
         [--eval-examples 16] [--prompts 4] [--max-new 64] [--out benchmarks/results/parallel]
 
 Trains an EAGLE-3 head and a parallel-drafting head on the default model (SmolLM2-135M, float32,
@@ -119,6 +119,7 @@ def main() -> int:
     ap.add_argument("--work", default="parallel-cpu-work", help="training runs (and the default data) go here")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ttt-steps", type=int, default=5)
+    ap.add_argument("--max-length", type=int, default=384, help="training sequence length (the quick preset's 384)")
     ap.add_argument("--eval-examples", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
@@ -132,7 +133,7 @@ def main() -> int:
     data = Path(a.data) if a.data else build_demo_data(work, model, tok)
     base = TrainConfig.preset("quick").replace(steps=a.steps, ttt_steps=a.ttt_steps, tau_k=max(KS), eval_every=a.steps,
                                                save_every=a.steps, eval_examples=a.eval_examples,
-                                               warmup_steps=min(8, a.steps))
+                                               warmup_steps=min(8, a.steps), max_length=a.max_length)
     results: dict[str, dict] = {}
     prompts = load_prompts(tok, "sharegpt", a.prompts)
     for name, cfg in (("eagle3", base), ("parallel", base.replace(parallel_drafting=True))):
