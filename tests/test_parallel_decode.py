@@ -51,6 +51,15 @@ def test_greedy_equals_plain_greedy(tiny_models, kind, attention, batch):
     assert got == refs
 
 
+def test_device_rounds_equal_plain_greedy(tiny_models):
+    """The static slot cache runs greedy chains as device rounds (``propose_device``), on the CPU too."""
+    model = tiny_models("llama")
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    engine = SpecEngine(model, ParallelProposer(_head(model), model), k=3, read_len="max")
+    assert engine.generate(prompts, MAX_NEW).tokens == refs
+
+
 @pytest.mark.parametrize("kind, attention", CASES)
 def test_the_drafts_are_the_training_unroll_and_one_forward(tiny_models, kind, attention):
     """Every draft of every round is what TTT (placeholders at steps > 0) predicts at the round's
