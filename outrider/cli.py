@@ -428,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--report-to", default="none", choices=["tensorboard", "wandb", "none"],
                     help="also log metrics.jsonl's scalars to TensorBoard (event files in OUT/tensorboard) or "
                          "Weights & Biases; needs that package installed")
+    sp.add_argument("--parallel-drafting", action="store_true",
+                    help="train a parallel-drafting head (P-EAGLE, arXiv 2602.01469): all k drafts in one forward, "
+                         "positions after the first fed the placeholder token (config mask_token_id; default the "
+                         "tokenizer's pad, else unk, else eos id) and a learned mask_hidden; serve it with "
+                         "--method parallel, or vLLM's \"parallel_drafting\": true")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
     placement(sp)

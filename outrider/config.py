@@ -83,6 +83,8 @@ class TrainConfig:
     head_norm_output: bool = False  # EAGLE 3.1: the next step reads the normed output
     head_norm_before_residual: bool = False  # the residual is hidden_norm(h) (vLLM serves it, SGLang does not)
     head_sliding_window: int = 0  # > 0: the head attends to the last this many positions (GQA heads)
+    parallel_drafting: bool = False  # P-EAGLE: train the head to draft all ttt_steps tokens in one forward
+    mask_token_id: int | None = None  # its placeholder token; None: the tokenizer's pad, else unk, else eos token
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -143,6 +145,10 @@ class TrainConfig:
                 or self.head_sliding_window < 0:
             raise UserError(f"training setting 'head_sliding_window' must be an integer >= 0, "
                             f"got {self.head_sliding_window!r}")
+        if not isinstance(self.parallel_drafting, bool):
+            raise UserError(f"training setting 'parallel_drafting' must be true or false, got {self.parallel_drafting!r}")
+        if self.mask_token_id is not None and (type(self.mask_token_id) is not int or self.mask_token_id < 0):
+            raise UserError(f"training setting 'mask_token_id' must be a token id >= 0 or null, got {self.mask_token_id!r}")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
 
@@ -171,8 +177,11 @@ class TrainConfig:
         """The head settings as ``Eagle3Config.for_target`` options (those not at their default)."""
         options = {"fc_norm": self.head_fc_norm, "norm_before_fc": self.head_norm_before_fc,
                    "norm_output": self.head_norm_output, "norm_before_residual": self.head_norm_before_residual,
-                   "sliding_window": self.head_sliding_window}
-        return {k: v for k, v in options.items() if v}
+                   "sliding_window": self.head_sliding_window, "parallel_drafting": self.parallel_drafting}
+        out = {k: v for k, v in options.items() if v}
+        if self.parallel_drafting and self.mask_token_id is not None:  # id 0 is a token: not filtered
+            out["mask_token_id"] = self.mask_token_id
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

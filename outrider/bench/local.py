@@ -191,9 +191,22 @@ def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: 
         check_pair(target, built, tokenizer, dtok)
     elif spec.needs == "head":
         built = load_eagle3_head(draft, target, device=device)
+        check_head_method(method, built, draft)
     require(tree is None or method == "eagle3", f"--method {method} drafts chains; trees need --method eagle3")
     options = {"tree": tree} if tree is not None else {}
     return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max, **options)
+
+
+def check_head_method(method: str, head: torch.nn.Module, draft: str) -> None:
+    """``UserError`` when the head was trained for the other drafting: a P-EAGLE head drafts all k
+    at once (``parallel``), an EAGLE-3 head a chain (``eagle3``)."""
+    parallel = bool(head.config.parallel_drafting)
+    if method == "parallel" and not parallel:
+        raise UserError(f"--method parallel needs a parallel-drafting head; {draft} is an EAGLE-3 head: use "
+                        "--method eagle3, or train one with 'outrider train --parallel-drafting'")
+    if method != "parallel" and parallel:
+        raise UserError(f"{draft} is a parallel-drafting (P-EAGLE) head, trained to draft all k tokens in one "
+                        f"forward: use --method parallel, not --method {method}")
 
 
 def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None

@@ -54,7 +54,8 @@ from outrider.models import arch_info
 
 AUX_IDS_SEMANTICS = "id j = hidden state entering target decoder layer j = HF output_hidden_states[j]"
 ATTENTIONS = ("gqa", "mla")
-OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")  # EAGLE 3.1 & co
+OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window",  # EAGLE 3.1 & co
+           "parallel_drafting", "mask_token_id")  # P-EAGLE
 _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 
 
@@ -92,6 +93,10 @@ class Eagle3Config:
     fc_norm: bool = False  # one RMSNorm per aux state, each with its own weight ("fc_norm.{i}")
     norm_output: bool = False  # hidden_out (fed back to the next step) is the normed output
     sliding_window: int = 0  # > 0: a query sees the last this many positions (GQA only)
+    # P-EAGLE: all k drafts in one forward; positions after the first hold the token ``mask_token_id``
+    # and the learned aux state ``mask_hidden`` [1, n_aux * H_t] (fused by ``fc`` as a real one)
+    parallel_drafting: bool = False
+    mask_token_id: int = -1
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(j) for j in self.aux_layer_ids)
@@ -124,6 +129,11 @@ class Eagle3Config:
         if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 0:
             raise UserError(f"sliding_window must be an integer >= 0 (0 = full attention), got {self.sliding_window!r}")
         self.sliding_window = int(self.sliding_window)
+        if not isinstance(self.parallel_drafting, bool):
+            raise UserError(f"parallel_drafting must be true or false, got {self.parallel_drafting!r}")
+        if self.parallel_drafting and not (type(self.mask_token_id) is int and 0 <= self.mask_token_id < self.vocab_size):
+            raise UserError(f"a parallel-drafting head needs mask_token_id in 0..{self.vocab_size - 1} (the placeholder "
+                            f"token), got {self.mask_token_id!r}")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
 
     @classmethod
@@ -193,6 +203,8 @@ class Eagle3Config:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.parallel_drafting:  # an EAGLE-3 head's config stays as it was
+            del d["parallel_drafting"], d["mask_token_id"]
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         d["aux_layer_ids_semantics"] = AUX_IDS_SEMANTICS
         return d
@@ -337,6 +349,8 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(H, eps=eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        # P-EAGLE's placeholder aux state (vLLM: ``mask_hidden``, fused through fc like a real one)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, n_aux * Ht)) if config.parallel_drafting else None
         self.rotary = Rotary(config)  # no persistent state
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
@@ -351,6 +365,8 @@ class Eagle3Head(nn.Module):
                 nn.init.normal_(module.weight, std=self.config.initializer_range)
             elif isinstance(module, LlamaRMSNorm):
                 nn.init.ones_(module.weight)
+        if self.mask_hidden is not None:  # on the scale of a real aux state (unit RMS after the target's norms)
+            nn.init.normal_(self.mask_hidden, std=1.0)
 
     @property
     def attention_scale(self) -> float | None:
@@ -400,6 +416,15 @@ class Eagle3Head(nn.Module):
             chunks = aux.chunk(len(self.fc_norm), dim=-1)  # 3 x [batch, n, H_t]
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
+
+    def placeholder(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's inputs at n placeholder positions per row: (token ids [batch, n] of
+        ``mask_token_id``, hidden [batch, n, H] = fc(mask_hidden))."""
+        if self.mask_hidden is None:
+            raise RuntimeError("not a parallel-drafting head (no mask_hidden)")
+        hidden = self.fuse(self.mask_hidden.to(self.fc.weight.dtype)[None])  # [1, 1, H]
+        ids = torch.full((batch, n), self.config.mask_token_id, dtype=torch.long, device=hidden.device)
+        return ids, hidden.expand(batch, n, -1)
 
     def forward_hidden(self, input_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, cache: Any | None = None) -> torch.Tensor:

@@ -138,6 +138,8 @@ class HeadSpec:
             "trained_for": self.trained_for, "target_record": self.target_record, "torch_dtype": self.torch_dtype,
             "quantization": self.quantization, "unsupported": self.unsupported, "mla": self.mla,
             "options": self.options, "sliding_window": c.sliding_window,
+            "parallel_drafting": bool(c.parallel_drafting),
+            "mask_token_id": c.mask_token_id if c.parallel_drafting else None,
         })
 
 
@@ -265,7 +267,7 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         max_position_embeddings=int(layer.get("max_position_embeddings") or 0), vocab_size=vocab,
         draft_vocab_size=draft_vocab, target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
         aux_layer_ids=aux, hidden_act=str(layer.get("hidden_act") or "silu"), attention="mla" if mla else "gqa",
-        **sizes, **options, sliding_window=window)
+        **sizes, **options, sliding_window=window, **parallel_fields(cfg))
     return HeadSpec(
         source=source, layout=layout, architectures=archs, config=config,
         num_hidden_layers=int(layer.get("num_hidden_layers") or 1), written_top=top, written_eagle=written_eagle,
@@ -273,6 +275,16 @@ def head_spec_from_config(cfg: dict[str, Any], readme: str = "") -> HeadSpec:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or ""),
         quantization=_quant_name(cfg), unsupported=tuple(unsupported),
     )
+
+
+def parallel_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """P-EAGLE settings a config states: ``parallel_drafting`` (ours), a speculators ``peagle``
+    config, or a placeholder token alone (``mask_token_id``, or ``ptd_token_id`` of vLLM's PTD PR),
+    which is all a plain vLLM draft folder holds (``parallel_drafting`` goes in --speculative-config)."""
+    token = cfg.get("mask_token_id", cfg.get("ptd_token_id"))
+    if not (cfg.get("parallel_drafting") or cfg.get("speculators_model_type") == "peagle" or token is not None):
+        return {}
+    return {"parallel_drafting": True, "mask_token_id": -1 if token is None else token}
 
 
 def as_target_record(target: Any) -> dict[str, Any]:
@@ -356,6 +368,8 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
         "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
     })
+    if cfg.parallel_drafting:  # P-EAGLE's placeholder aux state, vLLM's name and shape
+        shapes["mask_hidden"] = (1, n_aux * Ht)
     return shapes
 
 
@@ -375,6 +389,8 @@ def to_format_state_dict(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict
             continue
         t = tensor.detach().to("cpu")
         t = t.long() if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)
+        if name == "mask_hidden":
+            t = t.reshape((1,) * (get_format(fmt).mask_hidden_dims - 1) + (-1,))
         out[name] = t.contiguous()
     return out
 
@@ -494,6 +510,14 @@ def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = 
         check_draft_map(state["d2t"], None, cfg.vocab_size, where)
         t2d[targets] = True
         state["t2d"] = t2d
+    if "mask_hidden" in state:
+        if cfg.parallel_drafting:  # vLLM reads any shape that flattens to [1, n_aux * H_t]
+            state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)
+        else:  # vLLM skips it too (with a warning; ``inspect`` warns): an EAGLE-3 head
+            del state["mask_hidden"]
+    elif cfg.parallel_drafting:
+        raise UserError(f"{path}: the config says parallel drafting (mask_token_id {cfg.mask_token_id}) but the "
+                        "checkpoint has no mask_hidden tensor: not a servable P-EAGLE head (vLLM refuses it too)")
     unknown = sorted(set(state) - set(shapes))
     missing = sorted(set(shapes) - set(state))
     if unknown or missing:

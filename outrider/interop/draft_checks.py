@@ -287,6 +287,12 @@ def weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
     expected = expected_shapes(cfg)
     renamed = {_our_name(k): s for k, s in shapes.items()}
     renamed = {k: s for k, s in renamed.items() if k not in _DROPPED}
+    if "mask_hidden" in renamed:  # vLLM flattens it to [1, n]; without parallel drafting it is skipped
+        n = 1
+        for d in renamed.pop("mask_hidden"):
+            n *= d
+        if cfg.parallel_drafting:
+            renamed["mask_hidden"] = (1, n)
     core = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}
     unknown = sorted(set(renamed) - set(expected))
     missing = sorted(set(core) - set(renamed))
@@ -324,3 +330,31 @@ def weights_checks(path: Path, spec: HeadSpec, info: ArchInfo) -> list[Check]:
     else:
         checks.append(Check("d2t", PASS, f"maps {d2t.numel()} draft ids to distinct target ids"))
     return checks
+
+
+def parallel_checks(path: Path, spec: HeadSpec) -> list[Check]:
+    """P-EAGLE: whether config.json (``mask_token_id``; ``parallel_drafting``) and the checkpoint
+    (``mask_hidden``) agree, and what serves the head (vLLM's ``parallel_drafting``; no SGLang)."""
+    cfg = spec.config
+    _, shapes = _read_small_tensors(path, ())
+    mask = next((s for k, s in shapes.items() if k.endswith("mask_hidden")), None)
+    if not cfg.parallel_drafting:
+        if mask is None:
+            return []
+        return [Check("parallel drafting", WARN, f"the checkpoint holds mask_hidden {list(mask)} but config.json names "
+                      "no mask_token_id: vLLM skips mask_hidden (with a warning) and this runs as an EAGLE-3 chain; add "
+                      "mask_token_id (the placeholder token it was trained with) to serve it as P-EAGLE")]
+    token = cfg.mask_token_id
+    if type(token) is not int or token < 0:
+        return [Check("parallel drafting", FAIL, "config.json asks for parallel drafting but names no mask_token_id: "
+                      "vLLM refuses it (it reads mask_token_id or ptd_token_id)")]
+    if token >= cfg.vocab_size:
+        return [Check("parallel drafting", FAIL, f"mask_token_id {token} is outside the vocabulary 0..{cfg.vocab_size - 1}")]
+    if shapes and mask is None:
+        return [Check("parallel drafting", FAIL, f"config.json says parallel drafting (mask_token_id {token}) but the "
+                      "checkpoint has no mask_hidden: vLLM refuses to load it")]
+    return [Check("parallel drafting", PASS, f"P-EAGLE head (placeholder token {token}, mask_hidden "
+                  f"{list(mask) if mask else 'not checked: no weights'}): vLLM serves it with "
+                  "--speculative-config '{\"method\": \"eagle3\", ..., \"parallel_drafting\": true}'; outrider with "
+                  "--method parallel", engine="vllm"),
+            Check("parallel drafting", FAIL, "SGLang serves no P-EAGLE heads", engine="sglang")]

@@ -40,6 +40,7 @@ from outrider.interop.draft_checks import (
     attention_checks,
     aux_checks,
     option_checks,
+    parallel_checks,
     weights_checks,
 )
 from outrider.models import (
@@ -295,7 +296,8 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
     kind = (f"MLA ({hcfg.num_attention_heads} heads, q_lora {spec.mla['q_lora_rank']}, kv_lora "
             f"{spec.mla['kv_lora_rank']}, rope {spec.mla['qk_rope_head_dim']})" if hcfg.attention == "mla"
             else f"{hcfg.num_attention_heads} heads x {hcfg.head_dim}")
-    checks.append(Check("draft", PASS, f"{origin} EAGLE-3 head: hidden {hcfg.hidden_size}, {kind}, draft vocab "
+    what = "P-EAGLE (parallel-drafting)" if hcfg.parallel_drafting else "EAGLE-3"
+    checks.append(Check("draft", PASS, f"{origin} {what} head: hidden {hcfg.hidden_size}, {kind}, draft vocab "
                         f"{hcfg.draft_vocab_size}"))
     draft_fp, source = None, ""
     if any((draft_path / n).exists() for n in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")):
@@ -320,6 +322,7 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
                             f"target's {info.hidden_size}, whose embedding it reuses"))
     checks += aux_checks(spec, info)
     checks += weights_checks(draft_path, spec, info)
+    checks += parallel_checks(draft_path, spec)
     checks += architecture_checks(spec)
     checks += option_checks(spec)
     checks += _engine_support(types)

@@ -55,6 +55,14 @@ def _vllm_tree_lines(tree: TreeBudget | StaticTree | None, spec: dict[str, Any])
     return lines
 
 
+PARALLEL_VLLM = ("- Parallel drafting (P-EAGLE): `\"parallel_drafting\": true` makes vLLM draft all k tokens in one "
+                 "forward (placeholder token {token}, config `mask_token_id`; learned `mask_hidden`); without it "
+                 "vLLM runs this head as an EAGLE-3 chain, for which it was not trained. Keep k at or below the "
+                 "depth it was trained for (ttt_steps).")
+PARALLEL_SGLANG = ("SGLang serves no P-EAGLE (parallel-drafting) heads: serve this head with vLLM "
+                   "(`parallel_drafting`), or export it with --format vllm or --format speculators.")
+
+
 def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
                 nested_note: str, target: str | None, target_cfg: dict[str, Any] | None,
                 model_type: str | None, k: int = 3, tree: TreeBudget | StaticTree | None = None) -> str:
@@ -66,6 +74,8 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
     remote = bool(target_cfg and (target_cfg.get("auto_map") or str(info.model_type).startswith("kimi")))
     trc = " --trust-remote-code" if remote else ""
     spec: dict[str, Any] = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
+    if cfg.parallel_drafting:  # P-EAGLE: vLLM drafts all k in one forward only when told so
+        spec["parallel_drafting"] = True
     if isinstance(tree, StaticTree):
         spec.update(num_speculative_tokens=tree.size, speculative_token_tree=tree.to_text())
     topk, steps, draft_tokens = tree_budget_of(tree, k)
@@ -91,6 +101,8 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
                   "entering layer j) and defaults to (2, L//2, L-3) without them.", *(f"- {c}" for c in v_caveats),
                   *_vllm_tree_lines(tree, spec)]
         lines += list(fmt.vllm_notes)
+        if cfg.parallel_drafting:
+            lines.append(PARALLEL_VLLM.format(token=cfg.mask_token_id))
         if info is not None and info.attention == "MLA" and not mla:
             mla_spec = dict(spec, attention_backend="FLASH_ATTN")
             lines += ["- MLA target, GQA draft: if the draft fails to start on an MLA-only attention backend, give "
@@ -99,7 +111,9 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
         lines.append("")
     lines += ["## SGLang", ""]
     s_block, s_caveats = option_issues(cfg.attention, options, "sglang")
-    if fmt.sglang_refusal:
+    if cfg.parallel_drafting:
+        lines += [PARALLEL_SGLANG, ""]
+    elif fmt.sglang_refusal:
         lines += [fmt.sglang_refusal, ""]
     elif nested is None or nested_note.startswith("unshifted") or s_block:
         why = f"it does not read {', '.join(s_block)}" if s_block else nested_note

@@ -53,6 +53,7 @@ class TrainOptions:
     stream:        stream the target layer by layer (``outrider.train.states.stream_train``)
     allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.loop.resume.NAMES``)
     report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.loop.logs``)
+    parallel_drafting: train a parallel-drafting head (P-EAGLE): sets the config's ``parallel_drafting``
     """
 
     target: str
@@ -73,6 +74,7 @@ class TrainOptions:
     stream: StreamOptions | None = None
     allow_change: Sequence[str] = ()
     report_to: str = "none"
+    parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.cache is None):

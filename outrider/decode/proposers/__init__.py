@@ -32,4 +32,5 @@ PROPOSERS: dict[str, Method] = {
     "ngram": Method("outrider.decode.proposers.ngram:NgramProposer"),
     "draft": Method("outrider.decode.proposers.draft_model:DraftModelProposer", needs="model"),
     "eagle3": Method("outrider.decode.proposers.eagle3:Eagle3Proposer", needs="head"),
+    "parallel": Method("outrider.decode.proposers.parallel:ParallelProposer", needs="head"),  # P-EAGLE
 }

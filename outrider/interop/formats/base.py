@@ -46,6 +46,7 @@ class HeadFormat:
     carries_target = False  # names its verifier and carries the target's embedding
     vllm_notes: tuple[str, ...] = ()  # extra LAUNCH.md lines under vLLM
     sglang_refusal: str | None = None  # LAUNCH.md's SGLang section when SGLang cannot load the format
+    mask_hidden_dims = 2  # P-EAGLE's mask_hidden as [1, n_aux * H_t] (vLLM); speculators keeps [1, 1, n_aux * H]
 
     # tensor layout
 
@@ -82,6 +83,7 @@ class HeadFormat:
             **option_fields(cfg),
             "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(nested)},
             "eagle_aux_hidden_state_layer_ids": list(top),
+            **parallel_config(cfg),
             "torch_dtype": dtype_name(dtype),
             "outrider": outrider,
         }
@@ -155,3 +157,11 @@ def mla_fields(cfg: Eagle3Config) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps, **rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings,
         "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
     }
+
+
+def parallel_config(cfg: Eagle3Config) -> dict[str, Any]:
+    """A P-EAGLE head's keys (none for EAGLE-3): ``mask_token_id``, the placeholder token vLLM's
+    proposer reads from the draft's config.json (``llm_base_proposer.py``,
+    ``_init_parallel_drafting_params``), and ``parallel_drafting: true``, which vLLM takes from
+    --speculative-config instead; outrider reads it back."""
+    return {"parallel_drafting": True, "mask_token_id": cfg.mask_token_id} if cfg.parallel_drafting else {}

@@ -209,6 +209,9 @@ def ascending_aux_order(head: Eagle3Head) -> Eagle3Head:
         if head.fc_norm is not None:
             for new, old in enumerate(order):
                 out.fc_norm[new].weight.copy_(head.fc_norm[old].weight)
+        if head.mask_hidden is not None:  # P-EAGLE's placeholder aux state: fc's input space, same blocks
+            chunks = head.mask_hidden.detach().split(Ht, dim=1)  # 3 x [1, H_t]
+            out.mask_hidden.copy_(torch.cat([chunks[i] for i in order], dim=1))
     out.config = replace(head.config, aux_layer_ids=tuple(ids[i] for i in order))
     return out
 
@@ -227,6 +230,13 @@ def _random_check(reference: Eagle3Head, reloaded: Eagle3Head, seed: int = 0, n:
         aux_b = torch.cat([states[j] for j in reloaded.config.aux_layer_ids], dim=-1)
         a, _ = reference(emb, reference.fuse(aux_a), pos)
         b, _ = reloaded(emb, reloaded.fuse(aux_b), pos)
+        if cfg.parallel_drafting:  # the placeholder positions: mask_hidden through fc, the mask token's place
+            if (reloaded.config.parallel_drafting, reloaded.config.mask_token_id) != (True, cfg.mask_token_id):
+                return float("inf")
+            a = torch.cat([a, reference(emb, reference.placeholder(1, n)[1], pos)[0]], dim=1)
+            b = torch.cat([b, reloaded(emb, reloaded.placeholder(1, n)[1], pos)[0]], dim=1)
+        elif reloaded.config.parallel_drafting:
+            return float("inf")
     if not torch.equal(reference.d2t, reloaded.d2t) or not torch.equal(reference.t2d, reloaded.t2d):
         return float("inf")
     return float((a.float() - b.float()).abs().max())

@@ -5,6 +5,8 @@ is the target's), the Llama layer in ``transformer_layer_config``, ``speculators
 verifier by a path or hub id that resolves, the top-level ids only (vLLM's reading), and the
 target's embedding (speculators fills a missing one only while it is NaN). GQA heads only; vLLM
 loads it, SGLang does not. A folder is one when its config has ``speculators_model_type``.
+A parallel-drafting head is written as speculators' P-EAGLE (``speculators_model_type: "peagle"``,
+``mask_token_id``, ``mask_hidden`` [1, 1, n_aux * H]; needs H = H_t).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
     from outrider.heads.eagle3 import Eagle3Config
 
 
+PEAGLE_ARCH = "PEagleSpeculator"  # speculators' P-EAGLE config default architecture
+
+
 class SpeculatorsFormat(HeadFormat):
     name = "speculators"
     source = "speculators"
@@ -29,6 +34,7 @@ class SpeculatorsFormat(HeadFormat):
     vllm_notes = ("- speculators format: vLLM maps `Eagle3Speculator` to its EAGLE-3 Llama draft; "
                   "`speculators_config.verifier.name_or_path` names the target it was trained for.",)
     sglang_refusal = "SGLang does not load the speculators format: export with `--format sglang`."
+    mask_hidden_dims = 3  # PEagleDraftModel.mask_hidden: [1, 1, n_aux * hidden_size]
 
     def layer_prefix(self, attention: str) -> str:
         return LAYERS0
@@ -47,12 +53,20 @@ class SpeculatorsFormat(HeadFormat):
         if cfg.attention == "mla":
             raise UserError("the speculators format holds Llama (GQA) drafts only: export an MLA head with "
                             "--format vllm or --format sglang")
+        if cfg.parallel_drafting and cfg.hidden_size != cfg.target_hidden_size:
+            raise UserError(f"speculators' P-EAGLE model sizes mask_hidden by the draft's hidden size "
+                            f"({cfg.hidden_size}), this head's is n_aux x the target's ({cfg.target_hidden_size}): "
+                            "export it with --format vllm")
         top, _, _ = self.written_ids(cfg.aux_layer_ids, model_type)
         layer = llama_fields(cfg)
         layer["rope_parameters"] = cfg.rope_parameters()
         target = outrider.get("target") or {}
+        # P-EAGLE: speculators' ``PEagleSpeculatorConfig`` ("peagle", arch PEagleSpeculator, mask_token_id);
+        # vLLM maps it to eagle3 with parallel drafting
+        peagle = {"speculators_model_type": "peagle", "mask_token_id": cfg.mask_token_id} if cfg.parallel_drafting \
+            else {}
         return {
-            "architectures": [SPECULATORS_ARCH],
+            "architectures": [PEAGLE_ARCH if cfg.parallel_drafting else SPECULATORS_ARCH],
             "speculators_model_type": "eagle3",
             "speculators_version": "0.9.0",
             "speculators_config": {
@@ -71,13 +85,14 @@ class SpeculatorsFormat(HeadFormat):
             "embed_requires_grad": False,
             "torch_dtype": dtype_name(dtype),
             "outrider": outrider,
+            **peagle,
         }
 
     def recognises(self, cfg: dict[str, Any]) -> bool:
         return cfg.get("speculators_model_type") is not None
 
     def read_layer(self, cfg: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
-        if cfg.get("speculators_model_type") != "eagle3":
+        if cfg.get("speculators_model_type") not in ("eagle3", "peagle"):
             raise UserError(f"speculators model type '{cfg.get('speculators_model_type')}' is not an EAGLE-3 head")
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):

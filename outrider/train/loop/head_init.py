@@ -5,6 +5,7 @@ final norm into the head (shapes that differ are skipped); ``init_layer_from_tar
 head's decoder layer start as the target's last decoder layer applied to the last aux state
 (``UserError`` when the shapes differ or no layer is at hand); ``check_init_fits`` refuses an
 ``--init`` head built for another target. All write in place under ``no_grad`` and return nothing.
+``mask_token_id`` picks a parallel-drafting head's placeholder token from the target's tokenizer.
 """
 
 from __future__ import annotations
@@ -75,3 +76,16 @@ def check_init_fits(have: Eagle3Config, want: Eagle3Config) -> None:
     if bad:
         diff = ", ".join(f"{k} {getattr(have, k)} vs {getattr(want, k)}" for k in bad)
         raise UserError(f"the --init head does not fit this target ({diff}): train from scratch instead")
+
+
+def mask_token_id(tokenizer: Any) -> int:
+    """P-EAGLE's placeholder token when the settings name none: the tokenizer's pad, else unk, else
+    eos id (speculators' ``resolve_mask_token_id`` falls back the same way); ``UserError`` if none."""
+    for name in ("pad_token_id", "unk_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    raise UserError("a parallel-drafting head needs a placeholder token and the target's tokenizer has no pad, unk "
+                    "or eos token: set 'mask_token_id' in a --config file")

@@ -48,7 +48,7 @@ from outrider.errors import UserError
 from outrider.interop.checkpoint import load_head
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.interop.formats.export import save_head
-from outrider.models import arch_info, parse_dtype
+from outrider.models import arch_info, load_tokenizer, parse_dtype
 from outrider.progress import Bar
 from outrider.signals import Interrupted, Signals
 from outrider.train.data.datasets import BatchCursor, to_device
@@ -90,6 +90,7 @@ class _Trainer:
         self.progress, self.notes = o.progress and env.is_main, []
         self.resume_state = checkpoint.read_state(self.last_dir) if o.resume else None
         self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids)
+        self._parallel(o.parallel_drafting, loaded_target)
         self._open_target(o, loaded_target)
         stream = o.stream.as_kwargs() if o.stream is not None else None
         self.identity = same_run.identity(o.data, o.cache, stream, parse_dtype(o.dtype, self.env.device),
@@ -121,6 +122,19 @@ class _Trainer:
         if not 1 <= self.stop_at <= cfg.steps:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
+
+    def _parallel(self, flag: bool, loaded: Any) -> None:
+        """``--parallel-drafting`` into the settings (a resumed run keeps its own: the flag must agree);
+        a parallel run's null ``mask_token_id`` resolved from the target's tokenizer."""
+        if flag and not self.config.parallel_drafting:
+            if self.resume_state is not None:
+                raise UserError("--parallel-drafting: the run being resumed trains an EAGLE-3 head; drop the flag "
+                                "or start a new run")
+            self.config = self.config.replace(parallel_drafting=True)
+        if self.config.parallel_drafting and self.config.mask_token_id is None:
+            tokenizer = loaded[1] if isinstance(loaded, tuple) and loaded[1] is not None else None
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.target_name)
+            self.config = self.config.replace(mask_token_id=head_init.mask_token_id(tokenizer))
 
     def _open_target(self, o: TrainOptions, loaded: Any) -> None:
         """The target side (``TargetSide``: ``states.features.open_target``, or

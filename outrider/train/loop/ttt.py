@@ -12,6 +12,10 @@ to learn (``outrider.train.data``).
   position, the token input is the real ``x_{t+1+i}`` (tokens follow the sequence, as in EAGLE-3's
   TTT), the target is ``teacher[t+1+i]`` (the prediction of ``x_{t+2+i}``). The rotary position
   of step ``i`` is ``pos_t + i``, where the draft token sits at inference.
+  A parallel-drafting head (P-EAGLE, arXiv 2602.01469) gets instead, at every step ``i > 0``,
+  the placeholder token ``mask_token_id`` and the hidden ``fc(mask_hidden)``, as vLLM feeds its
+  placeholder positions; attention, positions and targets are unchanged, so step ``i`` learns
+  to predict ``x_{t+2+i}`` from the real context up to ``t`` and the placeholders before it.
 - Attention at step ``i``, position ``t``: the step-0 keys at real positions ``s <= t`` (the
   real context, as the draft cache holds it) and the keys of steps ``1..i`` at the same
   position ``t`` only (its own earlier drafts). Implemented by concatenating the per-step keys
@@ -262,10 +266,19 @@ def ttt_loss(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], au
     total = hidden.new_zeros(())
     losses, counts, correct = [], [], []
     flags = torch.zeros(steps, B, S, dtype=torch.bool, device=device) if agree_map else None
+    parallel = head.config.parallel_drafting
+    if parallel:  # P-EAGLE: steps after the first see placeholders, not the tokens and states before them
+        with torch.no_grad():
+            mask_ids, _ = head.placeholder(B, S)
+            mask_tokens = embed(mask_ids).to(dtype)  # [B, S, H]
     for i in range(steps):
         shift = 1 + i
-        token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
-        token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
+        if parallel and i > 0:
+            token_in = mask_tokens
+            hidden = head.placeholder(B, S)[1].to(hidden.dtype)  # [B, S, H] fc(mask_hidden), with its gradient
+        else:
+            token_in = torch.zeros_like(tokens)  # token x_{t+1+i} at position t; zeros past the end
+            token_in[:, : max(S - shift, 0)] = tokens[:, shift:]
         q, k, v = before(token_in, hidden, positions + i)  # = head.forward_hidden, in three parts
         if attention == "flex":
             keys, values = kv.update(k, v)  # [B, kv_heads, (i+1)*S, d], [B, kv_heads, (i+1)*S, d_v]

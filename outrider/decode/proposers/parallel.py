@@ -1,0 +1,87 @@
+"""Parallel drafting (P-EAGLE, arXiv 2602.01469): all k draft tokens from ONE head forward.
+
+Contract: a parallel-drafting head (``Eagle3Config.parallel_drafting``, with ``mask_hidden``)
+receives, in one forward, the pending block of committed pairs (as EAGLE-3's pending step:
+aux_t with x_{t+1}, right-aligned, padding masked) followed by k - 1 placeholder positions
+(token ``mask_token_id``, hidden fc(mask_hidden)) at positions P+1 .. P+k-1 after the last
+committed pair's position P. This is the input vLLM builds for ``parallel_drafting: true``
+(``llm_base_proposer.py``: bonus slot, then K - 1 masked slots at consecutive positions). The
+attention is causal by position over the head cache: the placeholders' keys and values are
+written at their positions past the committed ones, like the chain's speculative entries, and the
+next round's real pairs overwrite them. The outputs at the last real position and the k - 1
+placeholders give d_1 .. d_k: greedy through ``d2t``, or each sampled from its own softmax with
+``q`` returned (independent draws; the engine's verification keeps decoding lossless).
+
+Not done here: CUDA graphs and ``torch.compile`` of the forward (it runs eager; the engine's
+own step may still be compiled), trees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from outrider.decode.proposers.base import Draft, StartContext
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.sampling import probs, sample
+
+
+class ParallelProposer(Eagle3Proposer):
+    name = "parallel"
+
+    def __init__(self, head: torch.nn.Module, target: torch.nn.Module):
+        if getattr(head, "mask_hidden", None) is None or not head.config.parallel_drafting:
+            raise ValueError("ParallelProposer needs a parallel-drafting head (one with mask_hidden)")
+        super().__init__(head, target)
+
+    def start(self, ctx: StartContext) -> None:
+        # the chain's graphs and compiled steps do not apply to the one-forward draft: eager here
+        super().start(dataclasses.replace(ctx, graphs=False, compile=None))
+        self.ctx = ctx
+
+    def _forward(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+        """The one forward: hidden_out [batch, k, H] at the last real position and k - 1 placeholders."""
+        # aux: [batch, n, n_aux * H_t]; nxt, valid: [batch, n]
+        B = nxt.shape[0]
+        cache, head = self.cache, self.head
+        hidden = head.fuse(aux.to(head.fc.weight.dtype))  # [batch, n, H]
+        tokens = nxt
+        if k > 1:
+            mask_ids, mask_h = head.placeholder(B, k - 1)  # [batch, k-1], [batch, k-1, H]
+            hidden = torch.cat([hidden, mask_h.to(hidden.dtype)], dim=1)  # [batch, n+k-1, H]
+            tokens = torch.cat([nxt, mask_ids], dim=1)
+            valid = torch.cat([valid, valid.new_ones(B, k - 1)], dim=1)
+        before = valid.long().cumsum(1)  # [batch, n+k-1] real or placeholder positions up to each
+        positions = cache.lengths[:, None] + before - 1  # placeholders at P+1 .. P+k-1
+        cache.write = torch.where(valid, positions, cache.max_len)
+        q, kk, v = head.before_attention(self.embedding(tokens), hidden, positions.clamp_min(0))
+        mask = cache.mask(positions[:, -k:], valid[:, -k:])  # [batch, 1, k, slots]
+        attended = head.attend(q[:, :, -k:], kk, v, mask, cache)  # [batch, k, heads * d_v]
+        cache.lengths += valid[:, : nxt.shape[1]].sum(1)  # only the real pairs are committed
+        return head.after_attention(hidden[:, -k:], attended)  # [batch, k, H]
+
+    def _draws(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [batch, k, H] -> target ids [batch, k], q [batch, k, vocab] or None (greedy)."""
+        logits = self.head.compute_logits(h)  # [batch, k, draft_vocab]
+        if self.ctx.sampling.greedy:
+            return self.head.map_to_target(logits.argmax(-1)), None
+        B, k, Vd = logits.shape
+        qd = probs(logits.reshape(B * k, Vd), self.ctx.sampling).reshape(B, k, Vd)
+        u = self.rand.uniform(k, qd.device)  # [batch, k]: one draw per position, each from its own softmax
+        d = sample(qd, u)  # [batch, k]
+        q = qd.new_zeros(B, k, self.vocab)
+        q[:, :, self.head.map_to_target(torch.arange(Vd, device=qd.device))] = qd
+        return self.head.map_to_target(d), q
+
+    @torch.no_grad()
+    def propose(self, k: int) -> Draft:
+        self._prompt_pending = False
+        tokens, q = self._draws(self._forward(*self.pending, k))
+        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=self.dev), q)
+
+    @torch.no_grad()
+    def propose_device(self, k: int) -> torch.Tensor:
+        """Greedy draft tokens [batch, k] as plain device operations."""
+        self._prompt_pending = False
+        return self._draws(self._forward(*self.pending, k))[0]

@@ -1,0 +1,144 @@
+"""Parallel drafting (P-EAGLE) in SpecEngine: lossless, one head forward per round, the drafts are
+exactly what TTT trains (placeholders at steps after the first), sampling reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers import PROPOSERS
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.parallel import ParallelProposer
+from outrider.decode.sampling import SamplingParams
+from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.models import AuxCapture
+from outrider.train.loop.ttt import ttt_loss
+
+MAX_NEW = 16
+CASES = [("llama", "gqa"), ("deepseek_v3", "mla")]
+
+
+def _head(model, attention="gqa", seed=0, parallel=True, dv=64):
+    options = {"parallel_drafting": True, "mask_token_id": 3} if parallel else {}
+    cfg = Eagle3Config.for_target(model.config, dv, aux_layer_ids=(0, 1, 2), attention=attention, **options)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    V = model.config.vocab_size
+    kept = torch.randperm(V)[:dv].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    head.set_vocab(kept - torch.arange(dv), t2d)
+    return head.eval().requires_grad_(False)
+
+
+def _prompts(n=(5, 11, 3, 8)):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(5, 90, (m,), generator=g).tolist() for m in n]
+
+
+@pytest.mark.parametrize("kind, attention", CASES)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_plain_greedy(tiny_models, kind, attention, batch):
+    model = tiny_models(kind)
+    prompts = _prompts()
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0, len(p):]
+            .tolist() for p in prompts]
+    engine = SpecEngine(model, ParallelProposer(_head(model, attention), model), k=4)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got.extend(engine.generate(prompts[i:i + batch], MAX_NEW).tokens)
+    assert got == refs
+
+
+def test_device_rounds_equal_plain_greedy(tiny_models):
+    """The static slot cache runs greedy chains as device rounds (``propose_device``), on the CPU too."""
+    model = tiny_models("llama")
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    engine = SpecEngine(model, ParallelProposer(_head(model), model), k=3, read_len="max")
+    assert engine.generate(prompts, MAX_NEW).tokens == refs
+
+
+@pytest.mark.parametrize("kind, attention", CASES)
+def test_the_drafts_are_the_training_unroll_and_one_forward(tiny_models, kind, attention):
+    """Every draft of every round is what TTT (placeholders at steps > 0) predicts at the round's
+    position, and each round costs one head forward."""
+    model = tiny_models(kind)
+    head, k = _head(model, attention, seed=2), 4
+    proposer = ParallelProposer(head, model)
+    rounds, propose, calls = [], proposer.propose, []
+    layer_forward = head.after_attention
+
+    def counting(*a):
+        calls.append(1)
+        return layer_forward(*a)
+
+    def recording(n):
+        before = len(calls)
+        draft = propose(n)
+        assert len(calls) - before == 1
+        rounds.append((list(proposer.ctx.histories[0]), draft.tokens[0].tolist()))
+        return draft
+
+    head.after_attention = counting
+    proposer.propose = recording
+    SpecEngine(model, proposer, k=k).generate(_prompts()[1:2], 14)
+    assert len(rounds) > 3
+    dv = head.config.draft_vocab_size
+    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + head.d2t).tolist())}
+    for history, drafts in rounds:
+        seq = torch.tensor([history + drafts])
+        L = len(history)
+        with AuxCapture(model, head.config.aux_layer_ids) as cap:
+            model(seq)
+            aux = cap.concat()
+        teacher = torch.zeros(1, L + k, dv)
+        for j, token in enumerate(drafts):
+            teacher[0, L - 1 + j, draft_of[token]] = 1.0
+        with torch.no_grad():
+            out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher, steps=k,
+                           agree_map=True)
+        assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
+
+
+def test_first_draft_is_eagle3s():
+    """Position 0 of the parallel forward is EAGLE-3's pending step: the same first token."""
+    from tiny import make_tiny
+
+    model = make_tiny("llama", 0)
+    head = _head(model, seed=5)
+    seen = {}
+    for cls in (Eagle3Proposer, ParallelProposer):
+        proposer = cls(head, model)
+        firsts, propose = [], proposer.propose
+
+        def recording(n, propose=propose, firsts=firsts):
+            draft = propose(n)
+            firsts.append(draft.tokens[:, 0].tolist())
+            return draft
+
+        proposer.propose = recording
+        SpecEngine(model, proposer, k=1).generate(_prompts()[:2], 10)
+        seen[cls.name] = firsts
+    assert seen["eagle3"] == seen["parallel"]
+
+
+def test_sampling_is_reproducible_under_a_seed(tiny_models):
+    model = tiny_models("llama")
+    def run(seed):
+        engine = SpecEngine(model, ParallelProposer(_head(model), model), k=3,
+                            sampling=SamplingParams(temperature=0.8, seed=seed))
+        return engine.generate(_prompts(), MAX_NEW).tokens
+
+    first = run(11)
+    assert run(11) == first
+    assert run(12) != first
+
+
+def test_registry_and_refusals(tiny_models):
+    model = tiny_models("llama")
+    assert PROPOSERS["parallel"].needs == "head"
+    assert isinstance(PROPOSERS["parallel"].build(model, _head(model)), ParallelProposer)
+    with pytest.raises(ValueError, match="parallel-drafting head"):
+        ParallelProposer(_head(model, parallel=False), model)
