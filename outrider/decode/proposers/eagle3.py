@@ -106,7 +106,7 @@ class Eagle3Proposer(Proposer):
     @classmethod
     def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeBudget | StaticTree | None = None,
               **options: object) -> "Eagle3Proposer":
-        return cls(draft, target, tree=tree)
+        return cls(draft, target) if tree is None else cls(draft, target, tree=tree)
 
     def round_shape(self, k: int) -> tuple[int, int]:
         if isinstance(self.tree, TreeBudget):
