@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import random_head
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers.eagle3 import (
@@ -14,7 +15,6 @@ from outrider.decode.proposers.eagle3 import (
     _pad_left,
 )
 from outrider.decode.sampling import SamplingParams
-from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
 from outrider.train.loop.ttt import ttt_loss
 
@@ -22,15 +22,7 @@ MAX_NEW = 20
 
 
 def _head(model, draft_vocab=64, seed=0):
-    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=(0, 1, 2))
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg)
-    V = model.config.vocab_size
-    kept = torch.randperm(V)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    head.set_vocab(kept - torch.arange(draft_vocab), t2d)
-    return head.eval().requires_grad_(False)
+    return random_head(model, draft_vocab, seed)
 
 
 def _prompts():

@@ -29,9 +29,9 @@ def target(target_dir):
     return make_tiny("llama", seed=0, layers=LAYERS)
 
 
-def make_head(target_dir, draft_vocab: int = 32, aux_layer_ids=None, seed: int = 1) -> Eagle3Head:
+def make_head(target_dir, draft_vocab: int = 32, aux_layer_ids=None, seed: int = 1, **options) -> Eagle3Head:
     cfg = Eagle3Config.for_target(load_config_dict(target_dir), draft_vocab_size=draft_vocab,
-                                  aux_layer_ids=aux_layer_ids)
+                                  aux_layer_ids=aux_layer_ids, **options)
     torch.manual_seed(seed)
     head = Eagle3Head(cfg).eval()
     with torch.no_grad():  # norms away from 1 so a swapped norm would show in the logits

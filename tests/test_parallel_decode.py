@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import random_head
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers import PROPOSERS
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.parallel import ParallelProposer
 from outrider.decode.sampling import SamplingParams
-from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture
 from outrider.train.loop.ttt import ttt_loss
 
@@ -21,15 +21,7 @@ CASES = [("llama", "gqa"), ("deepseek_v3", "mla")]
 
 def _head(model, attention="gqa", seed=0, parallel=True, dv=64):
     options = {"parallel_drafting": True, "mask_token_id": 3} if parallel else {}
-    cfg = Eagle3Config.for_target(model.config, dv, aux_layer_ids=(0, 1, 2), attention=attention, **options)
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg)
-    V = model.config.vocab_size
-    kept = torch.randperm(V)[:dv].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    head.set_vocab(kept - torch.arange(dv), t2d)
-    return head.eval().requires_grad_(False)
+    return random_head(model, dv, seed, attention=attention, **options)
 
 
 def _prompts(n=(5, 11, 3, 8)):

@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_export import make_head as export_head
 from tiny import save_tiny
 
 from outrider.cli import main as cli_main
 from outrider.errors import UserError
-from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.heads.eagle3 import Eagle3Head
 from outrider.interop.checkpoint import load_head, read_head_spec
 from outrider.interop.formats.export import export, save_head
 from outrider.interop.inspect import inspect
-from outrider.models import load_config_dict
 
 LAYERS = 8
 MASK = 3
@@ -30,19 +30,7 @@ def target_dir(tmp_path_factory):
 
 def make_head(target_dir, parallel=True, aux_layer_ids=None, seed=1, draft_vocab=32) -> Eagle3Head:
     options = {"parallel_drafting": True, "mask_token_id": MASK} if parallel else {}
-    cfg = Eagle3Config.for_target(load_config_dict(target_dir), draft_vocab_size=draft_vocab,
-                                  aux_layer_ids=aux_layer_ids, **options)
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.ndim == 1:
-                p.uniform_(0.5, 1.5)
-    ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    head.set_vocab(ids - torch.arange(draft_vocab), t2d)
-    return head
+    return export_head(target_dir, draft_vocab, aux_layer_ids, seed, **options)
 
 
 def placeholder_logits(head: Eagle3Head, n: int = 5) -> torch.Tensor:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import random_head
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers.base import Draft, Proposer
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.sampling import SamplingParams
-from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.ops.tree import TreeBudget, static_tree
 
 MAX_NEW = 20
@@ -21,16 +21,7 @@ TREES = [TreeBudget(2, 3, 6), TreeBudget(3, 3, 10), TreeBudget(4, 2, 8),
 
 
 def _head(model, attention="gqa", draft_vocab=64, seed=0):
-    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=(0, 1, 2),
-                                  attention=attention)
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg)
-    V = model.config.vocab_size
-    kept = torch.randperm(V)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    head.set_vocab(kept - torch.arange(draft_vocab), t2d)
-    return head.eval().requires_grad_(False)
+    return random_head(model, draft_vocab, seed, attention=attention)
 
 
 def _prompts():

@@ -2,7 +2,8 @@
 
 ``make_tiny(kind, seed)`` returns an eval-mode float32 model; ``save_tiny(kind, path)`` writes a
 Hugging Face folder (config, safetensors, a tiny word-level tokenizer with a chat template) that
-every CLI verb can load like a real target.
+every CLI verb can load like a real target; ``random_head(model)`` a frozen random EAGLE-3 head for
+it, with a random draft vocabulary.
 """
 
 from __future__ import annotations
@@ -71,3 +72,19 @@ def save_tiny(kind: str, path: str | Path, seed: int = 0, vocab: int = VOCAB, la
     make_tiny(kind, seed, vocab, layers).save_pretrained(path)
     tiny_tokenizer(vocab).save_pretrained(path)
     return path
+
+
+def random_head(model, draft_vocab: int = 64, seed: int = 0, aux_layer_ids=(0, 1, 2), **options):
+    """A frozen, randomly initialised EAGLE-3 head for ``model`` (``options``: ``Eagle3Config.for_target``'s,
+    ``attention`` included) whose draft vocabulary is a random subset of the target's."""
+    from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+
+    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layer_ids, **options)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    V = model.config.vocab_size
+    kept = torch.randperm(V)[:draft_vocab].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    head.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    return head.eval().requires_grad_(False)
