@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_tiny, tiny_config
+from tiny import assert_rounds_are_the_ttt_unroll, make_tiny, tiny_config
 from torch.nn import functional as F
 
 from outrider.decode.engine import SpecEngine
@@ -316,22 +316,7 @@ def test_the_drafted_chain_is_the_training_unroll(tiny_models, kind, attention, 
 
     proposer.propose = recording
     SpecEngine(model, proposer, k=k).generate(_prompts()[1:2], 14)
-    assert len(rounds) > 3
-    dv = head.config.draft_vocab_size
-    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + head.d2t).tolist())}
-    for history, drafts in rounds:
-        seq = torch.tensor([history + drafts])
-        L = len(history)
-        with AuxCapture(model, head.config.aux_layer_ids) as cap:
-            model(seq)
-            aux = cap.concat()
-        teacher = torch.zeros(1, L + k, dv)
-        for j, token in enumerate(drafts):
-            teacher[0, L - 1 + j, draft_of[token]] = 1.0
-        with torch.no_grad():
-            out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher, steps=k,
-                           agree_map=True)
-        assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
+    assert_rounds_are_the_ttt_unroll(model, head, rounds, k)
 
 
 # ---------------------------------------------------------------------------------------------

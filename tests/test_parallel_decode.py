@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import random_head
+from tiny import assert_rounds_are_the_ttt_unroll, random_head
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers import PROPOSERS
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.parallel import ParallelProposer
 from outrider.decode.sampling import SamplingParams
-from outrider.models import AuxCapture
-from outrider.train.loop.ttt import ttt_loss
 
 MAX_NEW = 16
 CASES = [("llama", "gqa"), ("deepseek_v3", "mla")]
@@ -76,22 +74,7 @@ def test_the_drafts_are_the_training_unroll_and_one_forward(tiny_models, kind, a
     head.after_attention = counting
     proposer.propose = recording
     SpecEngine(model, proposer, k=k).generate(_prompts()[1:2], 14)
-    assert len(rounds) > 3
-    dv = head.config.draft_vocab_size
-    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + head.d2t).tolist())}
-    for history, drafts in rounds:
-        seq = torch.tensor([history + drafts])
-        L = len(history)
-        with AuxCapture(model, head.config.aux_layer_ids) as cap:
-            model(seq)
-            aux = cap.concat()
-        teacher = torch.zeros(1, L + k, dv)
-        for j, token in enumerate(drafts):
-            teacher[0, L - 1 + j, draft_of[token]] = 1.0
-        with torch.no_grad():
-            out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher, steps=k,
-                           agree_map=True)
-        assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
+    assert_rounds_are_the_ttt_unroll(model, head, rounds, k)
 
 
 def test_first_draft_is_eagle3s():

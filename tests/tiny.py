@@ -3,7 +3,8 @@
 ``make_tiny(kind, seed)`` returns an eval-mode float32 model; ``save_tiny(kind, path)`` writes a
 Hugging Face folder (config, safetensors, a tiny word-level tokenizer with a chat template) that
 every CLI verb can load like a real target; ``random_head(model)`` a frozen random EAGLE-3 head for
-it, with a random draft vocabulary.
+it, with a random draft vocabulary; ``assert_rounds_are_the_ttt_unroll`` checks recorded drafts
+against the training unroll.
 """
 
 from __future__ import annotations
@@ -88,3 +89,27 @@ def random_head(model, draft_vocab: int = 64, seed: int = 0, aux_layer_ids=(0, 1
     t2d[kept] = True
     head.set_vocab(kept - torch.arange(draft_vocab), t2d)
     return head.eval().requires_grad_(False)
+
+
+def assert_rounds_are_the_ttt_unroll(model, head, rounds, k: int) -> None:
+    """Every round's k drafts (``rounds``: (history when drafted, draft target ids)) are what the
+    training-time test predicts at the round's position: drafting and training are one computation."""
+    from outrider.models import AuxCapture
+    from outrider.train.loop.ttt import ttt_loss
+
+    assert len(rounds) > 3
+    dv = head.config.draft_vocab_size
+    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + head.d2t).tolist())}
+    for history, drafts in rounds:
+        seq = torch.tensor([history + drafts])
+        L = len(history)
+        with AuxCapture(model, head.config.aux_layer_ids) as cap:
+            model(seq)
+            aux = cap.concat()
+        teacher = torch.zeros(1, L + k, dv)  # one-hot at each draft: agreement = the unroll's argmax is the draft
+        for j, token in enumerate(drafts):
+            teacher[0, L - 1 + j, draft_of[token]] = 1.0
+        with torch.no_grad():
+            out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher, steps=k,
+                           agree_map=True)
+        assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
