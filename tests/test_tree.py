@@ -44,6 +44,7 @@ def test_static_tree_follows_vllm_order_and_refuses_non_trees():
     t = static_tree("[(1,), (0, 0), (0,), (0, 1), (1, 0)]")
     assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
     assert t.parents == (-1, -1, 0, 0, 1) and t.ranks == (0, 1, 0, 1, 0) and t.depth == 2
+    assert t.shape() == (2, 2, 6)  # SGLang terms: widest node, depth, nodes + 1
     assert static_tree(t.to_text()) == t
     for bad, says in [("[(0, 0)]", "no parent"), ("[(0,), (0,)]", "twice"), ("[(1,)]", "skips the rank"),
                       ("[]", "non-empty"), ("[(0,), (-1,)]", "not a path"), ("(0,", "not a list"),

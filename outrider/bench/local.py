@@ -464,9 +464,8 @@ def tree_fields(tree: TreeBudget | StaticTree | None, tau: float) -> dict[str, A
     if isinstance(tree, TreeBudget):
         fields: dict[str, Any] = tree.as_dict()
     else:
-        children = [tree.parents.count(i) for i in range(-1, tree.size)]
-        fields = {"topk": max(children), "steps": tree.depth, "draft_tokens": tree.size + 1,
-                  "tree_paths": tree.to_text()}
+        topk, steps, draft_tokens = tree.shape()
+        fields = {"topk": topk, "steps": steps, "draft_tokens": draft_tokens, "tree_paths": tree.to_text()}
     return {**fields, "verified_tokens": fields["draft_tokens"], "accepted_per_round": tau - 1}
 
 

@@ -34,7 +34,7 @@ def tree_budget_of(tree: TreeBudget | StaticTree | None, k: int) -> tuple[int, i
     if isinstance(tree, TreeBudget):
         return tree.topk, tree.steps, tree.draft_tokens
     if isinstance(tree, StaticTree):
-        return max(tree.parents.count(i) for i in range(-1, tree.size)), tree.depth, tree.size + 1
+        return tree.shape()
     return 1, k, k + 1
 
 

@@ -94,6 +94,12 @@ class StaticTree:
     def depth(self) -> int:
         return max(len(p) for p in self.paths)
 
+    def shape(self) -> tuple[int, int, int]:
+        """(topk, steps, draft_tokens) in SGLang's terms: the most children of a node (the root's
+        included), the depth, the nodes + 1 (a static tree fuller than EAGLE-2's expansion is not a
+        valid ``TreeBudget``)."""
+        return max(self.parents.count(i) for i in range(-1, self.size)), self.depth, self.size + 1
+
     def level(self, d: int) -> list[int]:
         """Nodes at depth d (1-based), in order."""
         return [i for i, p in enumerate(self.paths) if len(p) == d]
