@@ -201,10 +201,14 @@ def cmd_capture(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from outrider.interop.engines import VLLM_CHAINS_ONLY
+    from outrider.interop.formats import get_format
     from outrider.interop.formats.export import export
     from outrider.outputs import claim_dir
 
     k, tree = export_launch(a)
+    if tree is not None and get_format(a.format).engine == "vllm":
+        print(f"notice: {VLLM_CHAINS_ONLY}; LAUNCH.md gives vLLM the chain of the tree's depth and SGLang the tree")
     with claim_dir(a.out, "export", inputs=[a.draft, a.target]) as claim:
         report = export(a.draft, a.format, str(claim.path), target=a.target, dtype=a.dtype,
                         num_speculative_tokens=k, include_embeddings=a.include_embeddings, tree=tree)

@@ -88,7 +88,7 @@ def test_mla_config_and_tensors_follow_the_engines_contract(targets, tmp_path):
     c = head.config
     export(head, "vllm", tmp_path / "v", target=str(targets["deepseek_v3"]), dtype="bfloat16")
     cfg = json.loads((tmp_path / "v/config.json").read_text())
-    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v2"
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         assert cfg[key] == getattr(c, key) and cfg[key] > 0
     assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == 64 and cfg["num_attention_heads"] == 4

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,7 @@ from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.interop.formats.export import save_head
 from outrider.bench.served import offline
 from outrider.bench.served.metrics import acceptance, parse_exposition
+from outrider.interop.server_process import ServerFailed, ServerProcess
 
 LAYERS = 8
 AUX = (2, 4, 5)
@@ -118,12 +115,6 @@ def test_cli_flags_a_served_head_far_below_its_walked_tau(pair, tmp_path, capsys
     assert r["served_vs_offline"]["flagged"] and "FLAGGED" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_transformers_serve_default_model(tmp_path, capsys):
     """A real OpenAI-compatible server: `transformers serve` of the default model on the CPU."""
     from outrider import assets
@@ -134,22 +125,14 @@ def test_transformers_serve_default_model(tmp_path, capsys):
     cli = Path(sys.executable).parent / "transformers"
     if not (model_dir / "config.json").exists() or not cli.exists():
         pytest.skip("default model not pulled, or no `transformers` command next to this Python")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([str(cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu", "--dtype", "float32", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"transformers serve did not come up in 120 s: {(tmp_path / 'serve.log').read_text()[-500:]}")
+    server = ServerProcess([str(cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}", "--device",
+                            "cpu", "--dtype", "float32", "--log-level", "warning"], log=tmp_path / "serve.log")
+    with server:
+        try:
+            server.wait_ready(timeout=120)
+        except ServerFailed as e:
+            pytest.fail(f"transformers serve did not come up: {e.line}")
+        url = server.url
         out = tmp_path / "served.json"
         rc = main(["bench", "default", "--server", url, "--concurrency", "1,4", "--num-prompts", "4",
                    "--max-new-tokens", "8", "--quiet", "--timeout", "120", "--json", str(out)])
@@ -161,11 +144,3 @@ def test_transformers_serve_default_model(tmp_path, capsys):
             assert r["outputs_equal_local"] == 4, r["output_differences"]
             assert r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
         assert "equal to ours on 4 of 4" in capsys.readouterr().out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-        log.close()

@@ -53,17 +53,21 @@ def test_a_tree_paths_file_that_is_not_a_tree(capsys, head_dir, tmp_path):
                                                 "--tree-paths", str(tmp_path / "missing")])
 
 
-def test_export_writes_the_tree_flags(head_dir, tmp_path):
+def test_export_writes_the_tree_flags(head_dir, tmp_path, capsys):
     target, head = head_dir
     assert main(["export", str(head), "--format", "sglang", "--out", str(tmp_path / "a"), "--tree", "4,3,10"]) == 0
     text = (tmp_path / "a" / "LAUNCH.md").read_text()
     assert "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 10" in text
     paths = tmp_path / "paths.txt"
     paths.write_text("[(0,), (1,), (0, 0), (1, 0)]")
+    capsys.readouterr()
     assert main(["export", str(head), "--format", "vllm", "--out", str(tmp_path / "b"), "--tree-paths", str(paths)]) == 0
+    notice = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("notice:")]
+    assert len(notice) == 1 and "vLLM serves chains and parallel drafting only" in notice[0]
     text = (tmp_path / "b" / "LAUNCH.md").read_text()
-    assert '"num_speculative_tokens": 4, "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]"' in text
-    assert "TREE_ATTN" in text and "uneven" not in text
+    vllm = text.split("## vLLM", 1)[1].split("## SGLang", 1)[0]  # vLLM serves no trees: the chain of the depth
+    assert '"num_speculative_tokens": 2}' in vllm and "Checked on vLLM 0.32.0" in vllm
+    assert "speculative_token_tree" not in vllm.split("```")[1] and "TREE_ATTN" not in text
     assert "--speculative-eagle-topk 2 --speculative-num-draft-tokens 5" in text  # SGLang: the same width and size
 
 

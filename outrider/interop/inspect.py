@@ -31,6 +31,7 @@ from typing import Any
 
 from outrider.errors import UserError
 from outrider.interop.checkpoint import HeadSpec, read_head_spec
+from outrider.interop.engines import CHECKED_ON, installed_version
 from outrider.interop.draft_checks import (
     FAIL,
     PASS,
@@ -132,7 +133,7 @@ def _engine_support(types: tuple[str, ...]) -> list[Check]:
                             "vllm"))
     elif any(t in _VLLM_EAGLE3_RECENT for t in types):
         checks.append(Check("target EAGLE-3 support", WARN, f"model_type {types[-1]}: needs a 2026 vLLM release "
-                            "(older ones reject it in eagle3_target_supported)", "vllm"))
+                            f"(served by vLLM {CHECKED_ON['vllm'][0]}; older ones reject it in eagle3_target_supported)", "vllm"))
     else:
         checks.append(Check("target EAGLE-3 support", WARN, f"model_type {'/'.join(types)} is not known to capture "
                             "EAGLE-3 aux states in vLLM", "vllm"))
@@ -143,6 +144,18 @@ def _engine_support(types: tuple[str, ...]) -> list[Check]:
         checks.append(Check("target EAGLE-3 support", WARN, f"model_type {'/'.join(types)} is not known to capture "
                             "EAGLE-3 aux states in SGLang", "sglang"))
     return checks
+
+
+def _engine_version_checks() -> list[Check]:
+    """The vLLM installed in this Python, against the version the engine facts were checked on."""
+    checked, how = CHECKED_ON["vllm"]
+    here = installed_version("vllm")
+    if here is None:
+        return [Check("vLLM version", PASS, f"no vLLM in this Python; the vLLM checks hold for vLLM {checked} ({how})",
+                      "vllm")]
+    same = here.split("+")[0] == checked
+    return [Check("vLLM version", PASS if same else WARN, f"vLLM {here} installed here; the vLLM checks hold for vLLM "
+                  f"{checked}" + ("" if same else ": another release may read drafts differently"), "vllm")]
 
 
 def _attention_checks(info: ArchInfo) -> list[Check]:
@@ -276,6 +289,7 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
         checks.append(Check("tokenizer", PASS if fp.get("vocab_sha256") else WARN, tok))
         checks += _attention_checks(info)
         checks += _dtype_checks(info, None)
+        checks += _engine_version_checks()
         methods, rec = _method_checks(cfg, info, types)
         checks += methods
         usable = [c.name.removeprefix("method: ") for c in methods if c.status == PASS]
@@ -326,6 +340,7 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
     checks += architecture_checks(spec)
     checks += option_checks(spec)
     checks += _engine_support(types)
+    checks += _engine_version_checks()
     checks += attention_checks(spec, info)
     if not hcfg.max_position_embeddings or not info.max_position_embeddings:
         checks.append(Check("max positions", WARN, "max_position_embeddings missing on one side"))

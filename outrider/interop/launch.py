@@ -2,9 +2,10 @@
 
 Contract: ``launch_text(...)`` returns the Markdown an export writes next to its weights: for each
 engine that can serve the head as written, the launch command (with the server flags the head
-needs: SGLang's draft window; a chain of k, or the draft tree measured best: SGLang's EAGLE-2
-budget, vLLM's static ``speculative_token_tree``) and how it reads the aux ids and options; for an engine that
-cannot, one line saying why (``engines`` holds the facts).
+needs: SGLang's draft window; a chain of k, or the draft tree measured best as SGLang's EAGLE-2
+budget, vLLM being given the chain of the tree's depth, since it serves no trees) and how it reads
+the aux ids and options, with the engine version each was checked on; for an engine that cannot,
+one line saying why (``engines`` holds the facts).
 
 Not done here: choosing or writing the ids (``formats``: each format adds its own lines),
 checking a folder (``inspect``).
@@ -18,7 +19,9 @@ from typing import Any, Sequence
 
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config
 from outrider.interop.engines import (
+    CHECKED_ON,
     MLA_SERVED_BY,
+    VLLM_CHAINS_ONLY,
     SGLANG_RULE_NOTE,
     kv_bytes_per_token,
     option_issues,
@@ -39,20 +42,12 @@ def tree_budget_of(tree: TreeBudget | StaticTree | None, k: int) -> tuple[int, i
 
 
 def _vllm_tree_lines(tree: TreeBudget | StaticTree | None, spec: dict[str, Any]) -> list[str]:
-    """vLLM's speculative config for the tree (vLLM drafts static trees only), and its caveats."""
-    if isinstance(tree, TreeBudget):
-        return [f"- vLLM drafts static trees only (`speculative_token_tree`): the command above is the chain of "
-                f"k = {spec['num_speculative_tokens']}; SGLang below runs the measured EAGLE-2 tree."]
-    if not isinstance(tree, StaticTree):
+    """What vLLM does with a draft tree: nothing (``engines.VLLM_CHAINS_ONLY``); the command above is
+    the chain of the tree's depth."""
+    if tree is None:
         return []
-    counts = [len(tree.level(d)) for d in range(1, tree.depth + 1)]
-    even = all(b % a == 0 and all(tree.parents.count(i) == b // a for i in tree.level(d))
-               for d, (a, b) in enumerate(zip(counts, counts[1:]), start=1))
-    lines = ["- A static draft tree: run vLLM with its tree attention backend (`VLLM_ATTENTION_BACKEND=TREE_ATTN`)."]
-    if not even:
-        lines.append("- vLLM's tree drafting gives every node of a level the same number of children (it divides "
-                     "the level sizes): this tree's levels are uneven, so vLLM's drafts would not match its mask.")
-    return lines
+    return [f"- {VLLM_CHAINS_ONLY}. The command above is the chain of k = {spec['num_speculative_tokens']} (the "
+            "tree's depth); SGLang below runs the measured tree."]
 
 
 PARALLEL_VLLM = ("- Parallel drafting (P-EAGLE): `\"parallel_drafting\": true` makes vLLM draft all k tokens in one "
@@ -76,9 +71,9 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
     spec: dict[str, Any] = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
     if cfg.parallel_drafting:  # P-EAGLE: vLLM drafts all k in one forward only when told so
         spec["parallel_drafting"] = True
-    if isinstance(tree, StaticTree):
-        spec.update(num_speculative_tokens=tree.size, speculative_token_tree=tree.to_text())
     topk, steps, draft_tokens = tree_budget_of(tree, k)
+    if tree is not None:  # vLLM drafts no trees: the chain of the tree's depth
+        spec["num_speculative_tokens"] = steps
     mla = cfg.attention == "mla"
     written = f"top-level {list(top)} (vLLM)" + ("" if nested is None else f", eagle_config {list(nested)} (SGLang)")
     lines = [f"# Serving this EAGLE-3 head ({fmt.name} format, {'MLA' if mla else 'GQA'} attention)", "",
@@ -92,7 +87,7 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
     options = {k_: getattr(cfg, k_) for k_ in ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc",
                                                 "sliding_window")}
     v_block, v_caveats = option_issues(cfg.attention, options, "vllm")
-    lines += ["## vLLM", ""]
+    lines += ["## vLLM", "", f"Checked on vLLM {CHECKED_ON['vllm'][0]} ({CHECKED_ON['vllm'][1]}).", ""]
     if v_block:
         lines += [f"vLLM does not read {', '.join(v_block)} for this draft: it cannot serve this head.", ""]
     else:
@@ -109,7 +104,7 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
                       "it its own backend (vLLM PR 39930):", "", "```bash",
                       f"  --speculative-config '{json.dumps(mla_spec)}'", "```"]
         lines.append("")
-    lines += ["## SGLang", ""]
+    lines += ["## SGLang", "", f"Checked on SGLang {CHECKED_ON['sglang'][0]} ({CHECKED_ON['sglang'][1]}).", ""]
     s_block, s_caveats = option_issues(cfg.attention, options, "sglang")
     if cfg.parallel_drafting:
         lines += [PARALLEL_SGLANG, ""]

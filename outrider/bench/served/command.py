@@ -38,8 +38,9 @@ def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | Non
             console.print(f"{r['role']} c={r['concurrency']}: greedy outputs equal to ours on {cmp['equal']} of "
                           f"{cmp['compared']} prompts", highlight=False)
         if draft is not None and r["role"] == "server":
-            verdict = offline.gap(r.get("tau"), local.tau, checks, r.get("engine"))
+            verdict = offline.gap(r.get("tau"), local.uncut_tau, checks, r.get("engine"))
             r["offline_tau"], r["offline_accept_rate_per_pos"] = local.tau, local.accept_rate_per_pos
+            r["offline_uncut_tau"] = local.uncut_tau
             r["served_vs_offline"] = verdict
             console.print(f"{r['role']} c={r['concurrency']}: {'FLAGGED: ' if verdict['flagged'] else ''}"
                           f"{verdict['verdict']}", highlight=False)

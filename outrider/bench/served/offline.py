@@ -5,10 +5,13 @@ Contract:
   each prompt with its chat template (``bench.local.render_prompt``, as the server's chat
   endpoint does), and decodes greedily with our engine at batch 1: the plain outputs (text and
   ids) and, with ``draft`` (an EAGLE-3 head folder), the head's walked tau and acceptance per
-  position over the same prompts at ``k`` (our engine's decode: every step's accepted drafts).
+  position over the same prompts at ``k`` (our engine's decode: every step's accepted drafts), and
+  ``uncut_tau``, the same counted as the engines' counters count it (a step cut by
+  ``max_new_tokens`` or EOS keeps every draft the verifier accepted): the figure a served tau equals.
 - ``compare_outputs(served, local)`` says per prompt whether the served text equals ours, and
   where the first difference is.
 - ``gap(served_tau, offline_tau, checks, engine)`` judges the served tau against the offline one:
+  ``relative_difference`` is served / offline - 1 (the offline tau counted as the engine counts);
   flagged when the served engine accepts less than ``RATIO`` of the drafts per step that the
   head accepts here ((served - 1) < RATIO x (offline - 1)); it then lists the ``inspect``
   findings (warn or fail) that explain such gaps for that engine (aux ids as each engine reads
@@ -42,6 +45,7 @@ class LocalRun:
     tau: float | None = None
     accept_rate_per_pos: list[float] = field(default_factory=list)
     k: int | None = None
+    uncut_tau: float | None = None
 
 
 def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str | None = None, k: int = 3,
@@ -65,6 +69,7 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
         accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
         proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
         run.tau = 1.0 + sum(accepted) / row_steps if row_steps else None
+        run.uncut_tau = 1.0 + sum(r.uncut_accepted for r in results) / row_steps if row_steps else None
         run.accept_rate_per_pos = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
         run.k = k
     return run
@@ -92,18 +97,20 @@ def gap(served_tau: float | None, offline_tau: float | None, checks: Sequence[An
     if served_tau is None:
         return {"flagged": False, "verdict": "not judged: the server reports no acceptance counters"}
     if offline_tau is None or offline_tau <= 1.05:
-        return {"flagged": False, "verdict": f"not judged: the head accepts almost nothing here (walked tau "
+        return {"flagged": False, "verdict": f"not judged: the head accepts almost nothing here (tau "
                                              f"{offline_tau if offline_tau is not None else '-'})"}
     share = (served_tau - 1.0) / (offline_tau - 1.0)
+    rel = served_tau / offline_tau - 1.0
     if share >= RATIO:
-        return {"flagged": False, "share": share,
-                "verdict": f"served tau {served_tau:.2f} is close to the head's walked tau {offline_tau:.2f} "
+        return {"flagged": False, "share": share, "relative_difference": rel,
+                "verdict": f"served tau {served_tau:.2f} is close to the head's tau here {offline_tau:.2f} "
                            f"({share:.0%} of its accepted drafts per step)"}
     findings = [f"{c.name}{f' [{c.engine}]' if c.engine else ''}: {c.status}: {c.reason}" for c in checks
                 if c.status in ("warn", "fail") and c.name in GAP_CHECKS
                 and (c.engine is None or engine is None or c.engine == engine)]
-    return {"flagged": True, "share": share, "findings": findings, "check_by_hand": [] if findings else list(BY_HAND),
-            "verdict": f"served tau {served_tau:.2f} is far below the head's walked tau {offline_tau:.2f} here "
+    return {"flagged": True, "share": share, "relative_difference": rel, "findings": findings,
+            "check_by_hand": [] if findings else list(BY_HAND),
+            "verdict": f"served tau {served_tau:.2f} is far below the head's tau here {offline_tau:.2f} "
                        f"(the engine accepts {share:.0%} of the drafts per step we do): "
                        + ("; ".join(findings) if findings else "inspect finds nothing; check by hand: "
                           + "; ".join(BY_HAND))}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable
 
-from outrider.interop.engines import DRAFT_ARCH, MLA_DRAFT_ARCH, MLA_DRAFT_ARCHS
+from outrider.interop.engines import DRAFT_ARCH, MLA_DRAFT_ARCH, MLA_DRAFT_ARCHS, MLA_DRAFT_MODEL_TYPE
 
 if TYPE_CHECKING:  # the registry is read by ``outrider --help``: no torch import at load
     import torch
@@ -41,6 +41,7 @@ class HeadFormat:
     """One export format; subclasses set ``name`` and override what differs from the EAGLE-3 default."""
 
     name = ""
+    engine = "vllm"  # the engine this format is written for (its LAUNCH.md covers both where they load it)
     source = "eagle3"  # ``HeadSpec.source`` of a foreign folder in this format
     holds_mla = True  # MLA heads can be written (and read) in this format
     carries_target = False  # names its verifier and carries the target's embedding
@@ -148,7 +149,7 @@ def llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
 
 def mla_fields(cfg: Eagle3Config) -> dict[str, Any]:
     return {
-        "model_type": "deepseek_v3", "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+        "model_type": MLA_DRAFT_MODEL_TYPE, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
         "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
         "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,

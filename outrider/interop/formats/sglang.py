@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 class SGLangFormat(HeadFormat):
     name = "sglang"
+    engine = "sglang"
 
     def written_ids(self, ids: tuple[int, ...], model_type: str | None) -> AuxIds:
         nested, note = sglang_writes(ids, model_type)
