@@ -85,9 +85,9 @@ def analytic_working_set(arch: ArchInfo, itemsize: int, moe: bool | None = None,
         # head; the attention output; o_proj
         attn = b * (H + 3 * n * d + 3 * kv * d + 2 * n * d + 2 * n * d + n * d + H)
         qkv = 3 * n * d
-    # the math path's float32 copies of query, key and value; per key: the scores and their softmax
-    # in float32, the probabilities in the activations' dtype, the mask
-    attention = Phase(2 * H * b + attn + f32 * qkv, n * (f32 + 2 * b + 1) + mask)
+    # the math path's float32 copies of query, key and value (below float32); per key: the scores and
+    # their softmax in float32, the probabilities, the mask
+    attention = Phase(2 * H * b + attn + (f32 * qkv if b < f32 else 0), n * (2 * f32 + 2) + mask)
     moe = arch.is_moe if moe is None else moe
     if moe:
         k, E, inter = arch.experts_per_token, arch.num_experts, arch.moe_intermediate_size
@@ -97,10 +97,10 @@ def analytic_working_set(arch: ArchInfo, itemsize: int, moe: bool | None = None,
         pair = max(b * H + 4 * b * inter, (2 * b + 2 * f32) * H) + 36
         router = 5 * 4 * E  # logits, scores, scores for choice, group mask, masked scores (float32)
         shared = 4 * b * inter * max(1, arch.num_shared_experts)
-        mlp = Phase(3 * H * b + max(k * pair, router, shared) + 12 * k)
+        mlp = Phase(3 * H * b + max(k * pair, router, shared) + 12 * k, mask)
     else:
         inter = arch.intermediate_size
-        mlp = Phase(3 * H * b + 4 * b * inter)  # gate, up, act(gate), the product; down
+        mlp = Phase(3 * H * b + 4 * b * inter, mask)  # gate, up, act(gate), the product; down; the mask
     rest = Phase(6 * H * b, mask)  # norms, residual sums, the layer's output, the mask
     return WorkingSet({"attention": attention, "mlp": mlp, "rest": rest})
 

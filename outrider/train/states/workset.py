@@ -1,8 +1,9 @@
 """The working set of a layer step, measured: bytes of tensors alive at once, counted at the dispatcher.
 
 Contract:
-- ``LiveBytes()`` is a ``TorchDispatchMode`` that adds up the storage bytes of every tensor an op
-  returns (a storage counted once, views included) until the storage is freed, and keeps the peak,
+- ``LiveBytes(device)`` is a ``TorchDispatchMode`` that adds up the storage bytes of every tensor an
+  op returns on that device type (a storage counted once, views included; a module emptied to the
+  meta device is not a CPU module's memory) until the storage is freed, and keeps the peak,
   overall and per phase (``phase(name)`` marks the module running: forward hooks on a layer's
   ``self_attn`` and ``mlp``). Storages that exist before it starts (weights, inputs) are not
   counted. It sees the thread it runs in only, on any device, the meta device included (no memory;
@@ -45,8 +46,9 @@ _META_SHIMS = {torch.ops.aten._grouped_mm.default: _grouped_mm_meta}
 class LiveBytes(TorchDispatchMode):
     """Live and peak bytes of the tensors ops return (see the module docstring)."""
 
-    def __init__(self, exclude: Sequence[torch.Tensor] = ()):
+    def __init__(self, device: torch.device | str, exclude: Sequence[torch.Tensor] = ()):
         super().__init__()
+        self.device = torch.device(device).type
         self.live = 0
         self.peak = 0
         self.phase_name = "rest"
@@ -61,7 +63,7 @@ class LiveBytes(TorchDispatchMode):
                                         if isinstance(t, torch.Tensor))
         out = shim(*args, **kwargs) if meta else func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 self._count(t)
         return out
 
@@ -122,7 +124,7 @@ def measure_step(step: Callable[[torch.nn.Module, torch.Tensor, int], object], l
     """Peak live bytes per phase of ``step(layer, h, width)``; ``h`` [rows, width, H] and the layer's
     tensors are not counted."""
     keep = [*exclude, h, *layer.parameters(), *layer.buffers()]
-    meter = LiveBytes(keep)
+    meter = LiveBytes(h.device, keep)
     with phases(layer, meter), meter:
         out = step(layer, h, width)
     del out
