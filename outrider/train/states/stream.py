@@ -26,11 +26,12 @@ Contract:
   largest layer built plus its checkpoint bytes and the next layer's, dequantization temporaries,
   the pass's states when they stay on the device, and one chunk's working set (attention, the MoE
   dispatch), measured before anything loads: each distinct layer shape runs on the meta device
-  under a live-bytes count (``outrider.train.states.workset``). States that do not fit (or
+  under a live-bytes count (``outrider.train.states.workset``; ``attention_memory``: SDPA priced
+  at its math path, the default, or at CUDA's fused kernels). States that do not fit (or
   ``states_on="host"``) live in pinned host memory, each chunk copied in and out per layer. On CUDA
-  the allocator is capped at the budget while the target is open. A budget that cannot hold a
-  layer and a one-token chunk (construction) or the longest example (``states``, before a pass
-  loads anything) is a one-line ``UserError`` with the figures.
+  the allocator is capped at the budget. A budget that cannot hold a layer and a one-token chunk
+  (construction) or the longest example (``states``, before a pass loads anything) is a one-line
+  ``UserError`` with the figures.
 - ``stats``: one ``PassStats`` per pass (tokens, seconds, bytes read, copy / compute / exposed
   copy seconds).
 
@@ -302,7 +303,7 @@ class StreamedTarget:
                  gpu_memory: float | None = None, tokens_per_pass: int | None = None,
                  max_chunk_tokens: int | None = None, packing: str = "padded", out_device: torch.device | str = "cpu",
                  attn_implementation: str = "sdpa", read_threads: int = 8, temp_bytes: int = 1 << 30,
-                 states_on: str = "auto"):
+                 states_on: str = "auto", attention_memory: str = "math"):
         path = resolve(target)
         if path.is_file():
             raise UserError(f"{path} is a GGUF file: layer streaming reads a safetensors model folder")
@@ -310,6 +311,8 @@ class StreamedTarget:
             raise UserError(f"packing must be 'padded' or 'packed', not '{packing}'")
         if states_on not in ("auto", "device", "host"):
             raise UserError(f"states_on must be 'auto', 'device' or 'host', not '{states_on}'")
+        if attention_memory not in ("math", "fused"):
+            raise UserError(f"attention_memory must be 'math' or 'fused', not '{attention_memory}'")
         self.states_on = states_on
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -335,7 +338,7 @@ class StreamedTarget:
             raise UserError("--tokens-per-pass and the chunk size must be at least 1")
         self.units = self._units()
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.working = measure_decoder(self.config, self.decoder, self.dtype, layer_step)  # nothing loaded
+        self.working = measure_decoder(self.config, self.decoder, self.dtype, layer_step, attention_memory)
         self.memory = self._memory(gpu_memory)
         self.budget = self.memory.budget
         self.stats: list[PassStats] = []

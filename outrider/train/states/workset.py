@@ -9,12 +9,16 @@ Contract:
   counted. It sees the thread it runs in only, on any device, the meta device included (no memory;
   ``aten._grouped_mm``, whose meta kernel takes bf16 only, is given its output's shape there).
 - ``measure_working_set(step, layer, make_input, widths)``: runs ``step(layer, h, width)`` on
-  inputs of one row of each width, and fits per phase ``per_token * T + per_key * T * w`` through
-  the two peaks (``memory_plan.WorkingSet``).
-- ``measure_decoder(config, decoder, dtype, layer_step)``: that for every distinct layer shape of a
-  decoder on the meta device (shapes only, nothing loaded), with its causal mask materialised (one
-  padded key; built on the CPU, its values decide its form) and the final norm; phase by phase the
-  largest.
+  inputs of one row of each width, and fits per phase ``per_token * T + per_key * T * w`` at or
+  above every peak (``memory_plan.WorkingSet``).
+- ``measure_decoder(config, decoder, dtype, layer_step, attention)``: that for every distinct layer
+  shape of a decoder on the meta device (shapes only, nothing loaded), with its causal mask
+  materialised (one padded key; built on the CPU, its values decide its form) and the final norm;
+  phase by phase the largest. SDPA on the meta device takes its math path (the scores of every head
+  materialised in float32: the most any of its kernels allocates), ``attention="math"``;
+  ``"fused"`` prices SDPA as CUDA's fused kernels allocate (the output, the float32 log-sum-exp,
+  the boolean mask turned into the query's dtype), a tighter figure that holds only where such a
+  kernel runs.
 
 Not done here: the allocator's rounding and fragmentation or a kernel's private workspace (the
 plan's reserve covers them), choosing chunks (``stream``, ``memory_plan``).
@@ -132,31 +136,58 @@ def measure_step(step: Callable[[torch.nn.Module, torch.Tensor, int], object], l
 
 
 def measure_working_set(step: Callable[[torch.nn.Module, torch.Tensor, int], object], layer: torch.nn.Module,
-                        make_input: Callable[[int], torch.Tensor], widths: tuple[int, int] = (256, 512),
+                        make_input: Callable[[int], torch.Tensor], widths: Sequence[int] = (128, 512, 2048),
                         exclude: Sequence[torch.Tensor] = ()) -> WorkingSet:
-    """Per phase, ``per_token`` and ``per_key`` through the peaks of one row of each width (see the module
-    docstring); a negative key term (rounding) is dropped and the token term raised to cover both."""
-    w1, w2 = widths
-    m1 = measure_step(step, layer, make_input(w1), w1, exclude)
-    m2 = measure_step(step, layer, make_input(w2), w2, exclude)
+    """Per phase, ``per_key``: the steepest growth of bytes per token between consecutive widths (one
+    row each, so ``T = w``); ``per_token``: the least that puts ``per_token + per_key * w`` at or above
+    every probe. The peak per token is a maximum of lines in ``w`` (convex): the fit holds at and
+    between the probes, and beyond the widest while its steepest phase stays the steepest."""
+    peaks = [measure_step(step, layer, make_input(w), w, exclude) for w in widths]
     out = {}
-    for name in sorted(set(m1) | set(m2)):
-        a, b = m1.get(name, 0), m2.get(name, 0)
-        # a = t w1 + k w1^2, b = t w2 + k w2^2
-        key = (b / w2 - a / w1) / (w2 - w1)
-        if key < 0:
-            key = 0.0
-        tok = max(a / w1 - key * w1, b / w2 - key * w2, 0.0)
-        out[name] = Phase(tok, key)
+    for name in sorted({k for p in peaks for k in p}):
+        per = [p.get(name, 0) / w for p, w in zip(peaks, widths)]  # bytes per token at each width
+        key = max(0.0, *((b - a) / (w2 - w1) for a, b, w1, w2 in zip(per, per[1:], widths, widths[1:])))
+        out[name] = Phase(max(0.0, *(m - key * w for m, w in zip(per, widths))), key)
     return WorkingSet(out)
 
 
+FUSED = "outrider_fused_sdpa_shapes"
+
+
+def _fused_sdpa_shapes(module, query, key, value, attention_mask, **kwargs):
+    """What CUDA's fused SDPA kernels allocate, as shapes: query/key/value [B, n, T, d] -> the output
+    [B, T, n, d_v]; the log-sum-exp [B, n, T] float32 and the mask in the query's dtype live meanwhile."""
+    B, n, T, _ = query.shape
+    lse = torch.empty(B, n, T, dtype=torch.float32, device=query.device)
+    mask = attention_mask.to(query.dtype) if isinstance(attention_mask, torch.Tensor) else None
+    out = torch.empty(B, n, T, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    del lse, mask
+    return out, None
+
+
 @torch.no_grad()
-def measure_decoder(config, decoder: torch.nn.Module, dtype: torch.dtype, layer_step: Callable) -> WorkingSet:
+def measure_decoder(config, decoder: torch.nn.Module, dtype: torch.dtype, layer_step: Callable,
+                    attention: str = "math") -> WorkingSet:
     """The working set of a meta-device decoder's layers (see the module docstring); ``layer_step(layer,
     h, mask, pos, rotary, norm)`` is the step a pass runs."""
+    import copy
+
     from transformers.masking_utils import create_causal_mask
 
+    mask_config = copy.copy(config)  # the mask of the implementation the pass runs
+    if attention == "fused" and config._attn_implementation == "sdpa":
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(FUSED, _fused_sdpa_shapes)
+        config._attn_implementation = FUSED
+        try:
+            return _measure_layers(config, mask_config, decoder, dtype, layer_step, create_causal_mask)
+        finally:
+            config._attn_implementation = "sdpa"
+    return _measure_layers(config, mask_config, decoder, dtype, layer_step, create_causal_mask)
+
+
+def _measure_layers(config, mask_config, decoder, dtype, layer_step, create_causal_mask) -> WorkingSet:
     from outrider.models import cache_parameter
 
     rotary = type(decoder.rotary_emb)(config=config).to("meta")
@@ -166,7 +197,7 @@ def measure_decoder(config, decoder: torch.nn.Module, dtype: torch.dtype, layer_
     def step(layer: torch.nn.Module, h: torch.Tensor, width: int) -> torch.Tensor:
         pad = torch.ones(1, width, dtype=torch.long)  # [1, width]
         pad[0, -1] = 0
-        mask = create_causal_mask(config=config, inputs_embeds=torch.empty(1, width, 1, dtype=dtype),
+        mask = create_causal_mask(config=mask_config, inputs_embeds=torch.empty(1, width, 1, dtype=dtype),
                                   attention_mask=pad, position_ids=torch.arange(width)[None], **no_cache)
         mask = mask.to(h.device) if isinstance(mask, torch.Tensor) else mask
         return layer_step(layer, h, mask, torch.arange(width, device=h.device)[None], rotary, norm)
