@@ -29,9 +29,10 @@ Contract:
   under a live-bytes count (``outrider.train.states.workset``; ``attention_memory``: SDPA priced
   at its math path, the default, or at CUDA's fused kernels). States that do not fit (or
   ``states_on="host"``) live in pinned host memory, each chunk copied in and out per layer. On CUDA
-  the allocator is capped at the budget. A budget that cannot hold a layer and a one-token chunk
-  (construction) or the longest example (``states``, before a pass loads anything) is a one-line
-  ``UserError`` with the figures.
+  the allocator is capped at the budget, and the host waits for a unit's kernels before it builds
+  the next (else the freed checkpoint buffers of units still queued stay allocated: the plan holds
+  two). A budget that cannot hold a layer and a one-token chunk (construction) or the longest
+  example (``states``, before a pass loads anything) is a one-line ``UserError`` with the figures.
 - ``stats``: one ``PassStats`` per pass (tokens, seconds, bytes read, copy / compute / exposed
   copy seconds).
 
@@ -344,6 +345,7 @@ class StreamedTarget:
         self.stats: list[PassStats] = []
         self._pinned = _PinnedPool()
         self._fraction_set = False
+        self._done: torch.cuda.Event | None = None  # the previous unit's kernels, all queued
         if cuda and gpu_memory is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
@@ -503,6 +505,8 @@ class StreamedTarget:
         timing, cuda = loaded.timing, self.device.type == "cuda"
         t0 = time.perf_counter()
         if cuda:
+            if self._done is not None:  # the host may not run ahead: a unit's checkpoint buffer (record_stream)
+                self._done.synchronize()  # is freed only once the kernels queued on it have run
             timing.events["compute0"] = _event()
         loaded.materialise(self.temp_bytes)
         if cuda:
@@ -528,7 +532,7 @@ class StreamedTarget:
             else:
                 run.store(c, h)
         if cuda:
-            timing.events["compute1"] = _event()
+            timing.events["compute1"] = self._done = _event()
         else:
             timing.compute_s = time.perf_counter() - t0
         loaded.release()
