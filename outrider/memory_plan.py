@@ -14,13 +14,16 @@ which prices it from the config alone), so that both size a pass the same way.
   largest of SDPA's kernels). It bounds what the stream measures on the meta device.
 - ``StreamMemory``: a budget against the resident weights (the largest layer built, its checkpoint
   bytes and the next layer's), the dequantization temporaries (only while a layer is built), the
-  pass's states when they stay on the device, and one chunk's working set, less a reserve
-  (``RESERVE`` of the budget) for the allocator's rounding, fragmentation and kernel workspaces.
-  ``chunk_fits``, ``largest_chunk(width)``, ``peak``; ``refusal`` is the one line that says why
-  nothing fits, with the figures.
+  pass's token ids and masks, its states when they stay on the device, and one chunk's working set
+  (plus the chunk's input when the states live in host memory), less a reserve (``RESERVE`` of the
+  budget) for the allocator's rounding, fragmentation and kernel workspaces. ``peak``,
+  ``chunk_fits``, ``largest_chunk(width)``; ``refusal`` is the one line that says why nothing fits,
+  with the figures (``size`` writes them).
 
 Not done here: measuring (the stream runs its layer step on the meta device under a live-bytes
-count), choosing chunks (``stream.plan_chunks``), host memory.
+count, ``outrider.train.states.workset``), choosing chunks (``stream.plan_chunks``), host memory,
+the CUDA allocator's own behaviour beyond the reserve (``benchmarks/stream_bench.py`` prints the
+planned against the measured peak).
 """
 
 from __future__ import annotations
