@@ -17,10 +17,14 @@
    ``DeepseekV3Experts``, its default grouped_mm) on ``--expert-tokens`` tokens routed uniformly.
 4. Streams the checkpoint (``outrider.train.states.stream.StreamedTarget``, ``--gpu-memory`` GB, well
    below its dequantized size) over ``--passes`` passes of ``--tokens-per-pass`` tokens (random
-   ids, lengths uniform in [256, 2048]) after one warm-up pass, and reports per pass: tokens/s,
+   ids, lengths uniform in [256, 2048]) after one warm-up pass. The streamer's memory plan
+   (``outrider.memory_plan``: weights, states, the measured working set of attention and the MoE
+   dispatch) chooses the chunks and where the states live, or refuses in one line (exit 2) before
+   loading. Reports per pass: tokens/s against the roofline (the pass's checkpoint bytes at the
+   measured link rate, or its matmul FLOPs at the measured GEMM rate, whichever is slower),
    checkpoint GB/s read into pinned buffers and copied to the device, the share of that loading
-   hidden behind compute, the compute and dequantization seconds, peak device memory, and the
-   efficiency max(loading, compute) / wall (goal >= 0.8).
+   hidden behind compute, the compute and dequantization seconds, the planned and the measured
+   peak device memory, and the efficiency max(loading, compute) / wall (goal >= 0.8).
 5. Measures cold disk reads (one shard written back, dropped from the page cache, read in parallel
    pieces) and predicts Kimi-K2.5 (61 layers, ~595 GB) per 100 M tokens on this GPU from those rates:
    with its weights in host memory, and read from this disk each pass.
@@ -53,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from cuda_timing import median_ms  # noqa: E402 (benchmarks/cuda_timing.py, next to this script)
 
+from outrider.errors import UserError  # noqa: E402
 from outrider.fsutil import atomic_write_json  # noqa: E402
 
 KIMI_QUANT = {
@@ -294,15 +299,32 @@ def expert_rate(folder: Path, device: torch.device, tokens: int) -> dict:
     return {"tokens": tokens, "ms": ms, "tflops": flops / ms / 1e9, "implementation": impl}
 
 
-def moe_layer_flops_per_token(c: dict, context: float) -> float:
-    """Matmul FLOPs per token of one MoE layer: projections, routed and shared experts, attention at
-    an average ``context`` (keys per query)."""
+def moe_layer_flops_per_token(c: dict, context: float, dense: bool = False) -> float:
+    """Matmul FLOPs per token of one MoE layer (``dense``: the dense first layer): projections, routed
+    and shared experts (the dense MLP), attention at an average ``context`` (keys per query)."""
     H, heads = c["hidden_size"], c["num_attention_heads"]
     qk, v = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
     proj = (c["q_lora_rank"] * H + heads * qk * c["q_lora_rank"] + (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * H
             + heads * (c["qk_nope_head_dim"] + v) * c["kv_lora_rank"] + H * heads * v)
     experts = (c["num_experts_per_tok"] + c["n_shared_experts"]) * 3 * H * c["moe_intermediate_size"]
+    if dense:
+        return 2 * (proj + 3 * H * c["intermediate_size"]) + 2 * heads * (qk + v) * context
     return 2 * (proj + experts + c["n_routed_experts"] * H) + 2 * heads * (qk + v) * context
+
+
+def roofline(run: dict, c: dict, layers: int, context: float, link_gbps: float | None,
+             gemm_tflops: float | None) -> dict:
+    """A pass's ideal: its checkpoint bytes at the link's rate or its matmul FLOPs at the GEMM rate,
+    whichever takes longer (the loader overlaps the two); tokens/s there and this pass's share of it."""
+    dense = min(layers, c["first_k_dense_replace"])
+    flops = run["tokens"] * (dense * moe_layer_flops_per_token(c, context, dense=True)
+                             + (layers - dense) * moe_layer_flops_per_token(c, context))
+    copy_s = run["nbytes"] / (link_gbps * GB) if link_gbps else None
+    compute_s = flops / (gemm_tflops * 1e12) if gemm_tflops else None
+    ideal = max(x for x in (copy_s, compute_s, 0.0) if x is not None)
+    tps = run["tokens"] / ideal if ideal else None
+    return {"copy_s": copy_s, "compute_s": compute_s, "flops": flops, "bound": "copy" if (copy_s or 0) >= (compute_s or 0)
+            else "compute", "roofline_tokens_per_s": tps, "share": run["tokens_per_s"] / tps if tps else None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,18 +345,22 @@ def stream_run(folder: Path, a: argparse.Namespace, device: torch.device, vocab:
     from outrider.train.states.stream import StreamedTarget
 
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the rate measurements' cached blocks: the budget starts empty
         torch.cuda.reset_peak_memory_stats(device)
     runs = []
     with StreamedTarget(folder, aux, device=device, dtype="bfloat16" if device.type == "cuda" else "float32",
                         gpu_memory=a.gpu_memory, tokens_per_pass=a.tokens_per_pass, packing=a.packing,
-                        states_on=a.states, max_chunk_tokens=a.chunk_tokens) as st:
+                        states_on=a.states, max_chunk_tokens=a.chunk_tokens, attention_memory=a.attention_memory) as st:
         need = st.weights_need()
         st.states(random_examples(min(a.tokens_per_pass, 4 * a.hi), vocab, a.lo, a.hi, seed=99))  # warm-up
         for p in range(a.passes):
             exs = random_examples(a.tokens_per_pass, vocab, a.lo, a.hi, seed=p)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             st.states(exs)
             wall = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
             s = st.stats[-1]
             units = s.units
             moe = [u for u in units if u.name.startswith("layers.") and int(u.name.split(".")[1]) >= 1]
@@ -350,9 +376,10 @@ def stream_run(folder: Path, a: argparse.Namespace, device: torch.device, vocab:
                          "read_gbps": s.nbytes / s.read_s / GB if s.read_s else None,
                          "h2d_gbps": s.nbytes / s.copy_s / GB if s.copy_s else None,
                          "load_bound_s": load, "compute_bound_s": s.compute_s,
+                         "planned_peak_gb": s.planned_bytes / GB, "peak_allocated_gb": peak,
                          "efficiency": max(load, s.compute_s) / s.wall_s if s.wall_s else None})
         out = {"weights_need_gb": need / GB, "budget_gb": st.budget / GB if math.isfinite(st.budget) else None,
-               "chunks_per_pass": runs[-1]["chunks"], "runs": runs}
+               "chunks_per_pass": runs[-1]["chunks"], "working_set": st.working.describe(), "runs": runs}
     if device.type == "cuda":
         out["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
     return out
@@ -454,6 +481,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--packing", default="padded", choices=["padded", "packed"])
     ap.add_argument("--states", default="auto", choices=["auto", "device", "host"])
+    ap.add_argument("--attention-memory", default="math", choices=["math", "fused"],
+                    help="price SDPA's working set at its math path (an upper bound) or at CUDA's fused kernels")
     ap.add_argument("--lo", type=int, default=256, help="shortest example")
     ap.add_argument("--hi", type=int, default=2048, help="longest example")
     ap.add_argument("--expert-tokens", type=int, default=32768)
@@ -473,7 +502,8 @@ def main(argv=None) -> dict:
                     "commit": _commit(), "command": " ".join([sys.executable, *sys.argv]),
                     "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                     "shape": a.shape, "layers": layers, "tokens_per_pass": a.tokens_per_pass,
-                    "gpu_memory_gb": a.gpu_memory, "packing": a.packing, "states": a.states}
+                    "gpu_memory_gb": a.gpu_memory, "packing": a.packing, "states": a.states,
+                    "attention_memory": a.attention_memory}
     info = write_checkpoint(out, a.shape, layers, device)
     c = info["config"]["text_config"]
     record["checkpoint"] = {"bytes_gb": info["bytes"] / GB, "write_s": info["write_s"],
@@ -495,7 +525,17 @@ def main(argv=None) -> dict:
         print(f"disk: cold reads of {shards[-1].name} at {record['disk_read_gbps']:.1f} GB/s")
     aux = (1, max(1, layers // 2), layers - 1) if layers >= 3 else (0, 1, 1)
     record["stream"] = stream_run(out, a, device, c["vocab_size"], tuple(sorted(set(aux))))
+    print(f"memory plan: budget {record['stream']['budget_gb'] or math.inf:.1f} GB, weights {record['stream']['weights_need_gb']:.1f} GB, "
+          f"working set per layer step: {record['stream']['working_set']}")
+    ctx = (a.lo + a.hi) / 4  # mean keys per query for lengths uniform in [lo, hi]
     for k, r in enumerate(record["stream"]["runs"]):
+        r["roofline"] = roofline(r, c, layers, ctx, record.get("link", {}).get("h2d_gbps"), record.get("gemm_tflops"))
+        q = r["roofline"]
+        if q["roofline_tokens_per_s"]:
+            print(f"pass {k}: {r['tokens_per_s']:,.0f} tokens/s against a roofline of {q['roofline_tokens_per_s']:,.0f} "
+                  f"tokens/s ({q['bound']}-bound: copy {q['copy_s'] or 0:.2f} s, compute {q['compute_s'] or 0:.2f} s) = "
+                  f"{100 * q['share']:.0f} %; device memory planned {r['planned_peak_gb']:.1f} GB, peak allocated "
+                  + (f"{r['peak_allocated_gb']:.1f} GB" if r["peak_allocated_gb"] is not None else "n/a"))
         print(f"pass {k}: {r['tokens']} tokens ({r['padded_tokens']} padded, {r['chunks']} chunks, states on "
               f"{r['states_on']}) in {r['wall_s']:.2f} s = {r['tokens_per_s']:,.0f} tokens/s; read "
               f"{r['nbytes'] / GB:.1f} GB in {r['read_s']:.2f} s, copied in {r['copy_s']:.2f} s"
@@ -513,7 +553,6 @@ def main(argv=None) -> dict:
         kimi = dict(SHAPES["kimi"]) if a.shape == "kimi" else c
         record["kimi_prediction"] = predict_kimi(kimi, run, a.tokens_per_pass, layer_bytes(c, 1), layer_bytes(c, 0),
                                                  V * H * 2, load_gbps, record.get("disk_read_gbps"))
-        ctx = (a.lo + a.hi) / 4  # mean keys per query for lengths uniform in [lo, hi]
         flops = moe_layer_flops_per_token(c, ctx)
         per_token = (run["moe_compute_s"] - run["moe_build_s"]) / run["tokens"]
         record["moe_layer_tflops"] = flops / per_token / 1e12 if per_token > 0 else None
@@ -553,4 +592,8 @@ def _commit() -> str | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the memory plan's refusal, a bad checkpoint: one line
+        print(f"stream_bench: error: {e}", file=sys.stderr)
+        sys.exit(2)

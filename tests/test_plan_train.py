@@ -168,3 +168,25 @@ def test_cli_train_plan(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "--capture online" in err and err.count("\n") == 1
+
+
+def test_streamed_capture_memory_is_the_streamers_plan():
+    """``plan --train --capture streamed`` sizes the pass with ``outrider.memory_plan`` as the streamer
+    does: its peak is StreamMemory's for the chunk it picks, under the GPU's share, and one example
+    too wide for any chunk is refused in one line."""
+    from outrider.memory_plan import RESERVE, analytic_working_set
+    from outrider.models import ArchInfo
+    from outrider.plan.presets import PRESETS
+
+    kw = dict(conversations=20_000, tokens_per_turn=2048, max_length=2048, epochs=1, capture="streamed")
+    stage = train_plan("kimi-k2.5", "h100", serve_gpus=16, **kw).stages[1]
+    assert "outrider.memory_plan" in stage.memory.formula and "mlp 731.5 kB/token" in stage.memory.formula
+    assert 0.9 * 80 * 0.9 < stage.memory.value <= 0.9 * 80 * (1 - RESERVE) + 1e-9  # filled to the plan's share
+    arch: ArchInfo = PRESETS["kimi-k2.5"][1]
+    chunk = int(stage.memory.formula.split("a chunk of ")[1].split(" tokens")[0].replace(",", ""))
+    assert chunk % 2048 == 0 and 2048 <= chunk < 32768 and "in pinned host memory" in stage.memory.formula
+    working = analytic_working_set(arch, 2)
+    more = working.bytes(chunk + 2048, 2048) - working.bytes(chunk, 2048) + 2048 * arch.hidden_size * 2
+    assert stage.memory.value * 1e9 + more > 0.9 * 80e9 * (1 - RESERVE)  # one row more would not have fitted
+    with pytest.raises(UserError, match="too small for layer streaming: a chunk of 131,072 token"):
+        train_plan("kimi-k2.5", "h100", serve_gpus=16, **dict(kw, tokens_per_turn=131072, max_length=131072))

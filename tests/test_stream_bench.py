@@ -15,10 +15,10 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "stream_bench.py"
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
+def run_bench(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
     """The script as a user runs it."""
     run = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == rc, run.stderr[-3000:]
     return run
 
 
@@ -60,9 +60,20 @@ def test_tiny_run_reports_its_figures(tmp_path, tiny_dir):
     assert saved["layers"] == 3 and saved["stream"]["runs"][0]["tokens"] == 300
     run = saved["stream"]["runs"][0]
     assert run["nbytes"] > 0 and run["compute_s"] > 0 and 0 < run["efficiency"] <= 1.0 + 1e-9
+    assert run["planned_peak_gb"] > 0 and "mlp" in saved["stream"]["working_set"]
     assert saved["kimi_prediction"]["262144"]["cached"]["hours_per_100M_ideal"] > 0
     assert saved["disk_read_gbps"] is None or saved["disk_read_gbps"] > 0
     assert saved["default_model"]["bit_identical"]  # float32 on the CPU: the same chunks, the same bits
     assert math.isclose(saved["default_model"]["tokens"], 300, abs_tol=0)
     assert not out.exists()  # removed without --keep
     assert "checkpoint:" in proc.stdout
+
+
+def test_budget_refused_in_one_line(tmp_path):
+    """A --gpu-memory below a layer and a one-token chunk: one line naming the figures, exit 2, no traceback."""
+    proc = run_bench("--out", str(tmp_path / "ckpt"), "--shape", "tiny", "--device", "cpu", "--layers", "1",
+                     "--tokens-per-pass", "64", "--lo", "16", "--hi", "32", "--passes", "1", "--default-model", "none",
+                     "--gpu-memory", "0.0001", "--json", str(tmp_path / "r.json"), rc=2)
+    err = [line for line in proc.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert err[-1].startswith("stream_bench: error: --gpu-memory 0.0001 GB is too small for layer streaming")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r.json").exists()

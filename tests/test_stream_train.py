@@ -130,7 +130,7 @@ def test_streamed_training_resumes_bit_identical(env, tmp_path):
 
 def test_streaming_flags_are_checked(env, tmp_path, capsys):
     base = ["train", env["target"], "--data", env["data"], "--out", str(tmp_path / "o"), "--device", "cpu", "--quiet"]
-    for extra, match in [(["--stream-layers", "--gpu-memory", "0.0001"], "smaller than one layer"),
+    for extra, match in [(["--stream-layers", "--gpu-memory", "0.0001"], "too small for layer streaming"),
                          (["--gpu-memory", "8"], "add --stream-layers"),
                          (["--stream-layers", "--device-map", "auto"], "give one")]:
         assert cli_main(base + extra) == 2

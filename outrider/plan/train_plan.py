@@ -17,8 +17,11 @@ Stage models:
   this target on this GPU to the default target on an H200. ``none``: the data's own replies.
 - capture ``online``: the target's forward inside each training step (every rank holds the
   target; its FLOPs are the training's). ``streamed``: layer by layer from storage, one rank per
-  GPU of one host (``torchrun``); each pass of ``pass_tokens`` (what the GPU holds beside two
-  stored layers and one widened to bf16) streams every weight once per rank; time = max(weight
+  GPU of one host (``torchrun``); each pass of ``pass_tokens`` (the streamer's default, its states
+  on the GPU when they fit, else in pinned host memory) streams every weight once per rank; its
+  memory is ``outrider.memory_plan``'s, as the capture sizes itself: two stored layers and one
+  widened to bf16, the states, one chunk's working set (analytic; refused in one line when not one
+  example fits); time = max(weight
   reads, FLOPs / (GPUs x peak x efficiency), cache bytes / write rate). Weight reads: each rank
   at most ``stream_bytes_per_s``; when host memory holds the checkpoint beside every rank's
   pinned buffers the page cache keeps it (storage reads it once), else every pass of every rank
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import UserError
+from outrider.memory_plan import RESERVE, StreamMemory, analytic_working_set, size
 from outrider.models import ArchInfo
 from outrider.plan import rates as R
 from outrider.plan.acceptance import Acceptance
@@ -69,6 +73,9 @@ REGENERATE = ("served", "local", "none")
 CAPTURE = ("online", "streamed", "served")
 CACHE_DTYPES = ("bf16", "fp8")
 FIT = 0.9  # share of a GPU's memory a plan may fill
+STREAM_PASS_TOKENS = 262144  # StreamedTarget's defaults on CUDA: tokens per pass, padded tokens per chunk,
+STREAM_CHUNK_TOKENS = 32768  # dequantization temporaries
+STREAM_TEMP_BYTES = 1 << 30
 ACT_BYTES_PER_H = 34  # activation bytes per token per hidden unit of one layer (no recomputation)
 
 
@@ -310,17 +317,9 @@ def _capture(c: _Ctx, mode: str) -> Stage:
                             f"token, is counted in the training's FLOPs"),
                      Figure(0.0, "GB", "in the training's memory"), Figure(0.0, "GB", "nothing stored"))
     if mode == "streamed":
-        L = shape.num_layers
-        stored = shape.weight_bytes / L
-        widened = shape.total_params / L * 2  # one layer in bf16 for the matmuls
-        buffers = 2 * stored + (widened if widened > stored * 1.01 else 0.0)
-        per_tok = inflight_bytes_per_token(shape)
-        free = FIT * c.hw.memory_capacity_bytes - buffers
         share = S / c.gpus
-        pass_tokens = min(share, free / per_tok) if free > 0 else 0.0
-        if pass_tokens < s.example_tokens:
-            raise UserError(f"streamed capture of {c.name}: one {c.hw.name} holds {free / 1e9:.1f} GB beside a layer's "
-                            f"weights, less than one example of {s.example_tokens} tokens needs")
+        sm, pass_tokens, chunk, on_device = _stream_memory(c, share)
+        stored = shape.weight_bytes / shape.num_layers
         passes = math.ceil(share / pass_tokens)
         t_stream, stream_text, host_notes = _streamed_reads(c, passes, pass_tokens, stored)
         eff = c.rate("capture_compute_efficiency")
@@ -331,10 +330,13 @@ def _capture(c: _Ctx, mode: str) -> Stage:
                       f"{c.hw.flops_ceiling_per_s('bf16') / 1e12:,.0f} TFLOP/s x {eff:g}) = {t_cmp:,.0f} s, {write:,.0f} s)",
                       ("stream_bytes_per_s", "storage_read_bytes_per_s", "host_memory_bytes",
                        "capture_compute_efficiency", "disk_write_bytes_per_s"))
-        mem = Figure((buffers + pass_tokens * per_tok) / 1e9, "GB",
-                     f"two stored layers {2 * stored / 1e9:.1f} GB + one widened to bf16 {buffers / 1e9 - 2 * stored / 1e9:.1f} "
-                     f"GB + a pass of {pass_tokens:,.0f} tokens x {per_tok / 1e3:.0f} kB (residual, norms, attention, "
-                     f"kept states, the MLP's intermediate)")
+        width = s.example_tokens
+        peak = sm.peak(int(pass_tokens), chunk, width, on_device)
+        where = "on the GPU" if on_device else "in pinned host memory"
+        mem = Figure(peak / 1e9, "GB", f"layer {sm.resident / 1e9:.1f} GB (the largest built and two layers' stored "
+                     f"bytes) + states of {pass_tokens:,.0f} tokens {where} + a chunk of {chunk:,} tokens (rows of "
+                     f"{width:,}: {sm.working.describe()}) = {size(peak)}, under {sm.budget / 1e9:.1f} GB with a "
+                     f"{RESERVE:.0%} reserve (outrider.memory_plan, as the streamed capture sizes itself)")
         return Stage("capture", "streamed", c.gpus, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
                      [f"{passes} pass(es) per GPU of up to {pass_tokens:,.0f} tokens; each rank reads the weights "
                       f"once per pass (`torchrun --nproc-per-node {c.gpus} -m outrider capture --stream-layers`)"]
@@ -353,6 +355,26 @@ def _capture(c: _Ctx, mode: str) -> Stage:
                  f"an 8,192-token prefill chunk {chunk / 1e9:.2f} GB")
     return Stage("capture", "served", tp, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
                  [f"served on {where}"])
+
+
+def _stream_memory(c: _Ctx, share: float) -> tuple[StreamMemory, float, int, bool]:
+    """The streamed capture's memory plan on one GPU (``outrider.memory_plan``, as ``StreamedTarget``
+    sizes itself with its defaults): the plan, tokens per pass, chunk tokens, states on the device."""
+    shape, width = c.shape, c.sizes.example_tokens
+    L, H = shape.num_layers, shape.hidden_size
+    stored = shape.weight_bytes / L
+    widened = shape.total_params / L * ACT_BYTES  # one layer in bf16 for the matmuls
+    built = widened if widened > stored * 1.01 else 0.0
+    mem = StreamMemory(FIT * c.hw.memory_capacity_bytes, resident=2 * stored + built,
+                       temporaries=2 * min(STREAM_TEMP_BYTES, built), state_per_token=H * ACT_BYTES * 5,
+                       input_per_token=H * ACT_BYTES, pass_per_token=24, working=analytic_working_set(c.arch, ACT_BYTES))
+    pass_tokens = max(float(width), min(share, STREAM_PASS_TOKENS))
+    for on_device in (True, False):
+        chunk = min(mem.largest_chunk(width, int(pass_tokens), on_device), STREAM_CHUNK_TOKENS // width * width)
+        if chunk >= width:
+            return mem, pass_tokens, chunk, on_device
+    raise UserError(f"streamed capture of {c.name}: " + mem.refusal(
+        f"one {c.hw.name} ({FIT:.0%} of {c.hw.memory_capacity_bytes / 1e9:.0f} GB)", width, width))
 
 
 def _streamed_reads(c: _Ctx, passes: int, pass_tokens: float, layer_bytes: float) -> tuple[float, str, list[str]]:

@@ -15,19 +15,24 @@ Contract:
   computes), run over every token of the pass, and dropped. INT4 experts travel packed and are
   dequantized on the device.
 - Chunks: inside a pass ``plan_chunks`` sorts the examples longest first (stable) and groups them
-  into chunks that fit ``max_chunk_tokens`` and the memory left for activations. ``padded``:
+  into chunks that fit ``max_chunk_tokens`` and the memory plan. ``padded``:
   rows right-padded with the config's pad id (0 if unset) and a 2-D attention mask, positions
   ``arange(width)``; ``packed``: one row, positions restarting at every example, transformers'
   block-causal mask for packed sequences. Each chunk's states are bit-identical to the stock
   model's own forward on that chunk (padded: ``model(ids, attention_mask=mask)``; packed:
   ``model(ids, position_ids=pos, use_cache=False)``); grouping examples differently changes
   only float rounding (GEMM shapes).
-- Memory: ``gpu_memory`` (GB) bounds the device bytes: the largest layer built (dequantized) plus
-  its checkpoint bytes, the next layer's checkpoint bytes, dequantization temporaries, the
-  activations of one chunk, and the pass's states when they stay on the device. When the states
-  do not fit (or ``states_on="host"``) they live in pinned host memory and each chunk is copied in
-  and out per layer. On CUDA the allocator is capped at the budget while the target is open. A
-  budget below one layer's need is a one-line ``UserError``.
+- Memory: ``gpu_memory`` (GB) bounds the device bytes (``outrider.memory_plan.StreamMemory``): the
+  largest layer built plus its checkpoint bytes and the next layer's, dequantization temporaries,
+  the pass's states when they stay on the device, and one chunk's working set (attention, the MoE
+  dispatch), measured before anything loads: each distinct layer shape runs on the meta device
+  under a live-bytes count (``outrider.train.states.workset``; ``attention_memory``: SDPA priced
+  at its math path, the default, or at CUDA's fused kernels). States that do not fit (or
+  ``states_on="host"``) live in pinned host memory, each chunk copied in and out per layer. On CUDA
+  the allocator is capped at the budget, and the host waits for a unit's kernels before it builds
+  the next (else the freed checkpoint buffers of units still queued stay allocated: the plan holds
+  two). A budget that cannot hold a layer and a one-token chunk (construction) or the longest
+  example (``states``, before a pass loads anything) is a one-line ``UserError`` with the figures.
 - ``stats``: one ``PassStats`` per pass (tokens, seconds, bytes read, copy / compute / exposed
   copy seconds).
 
@@ -42,17 +47,19 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from outrider.errors import UserError
 from outrider.fsutil import read_json_object
+from outrider.memory_plan import StreamMemory, size
 from outrider.models import cache_parameter, check_aux_ids, parse_dtype, resolve
 from outrider.train.data.datasets import consecutive_groups
 from outrider.train.options import StreamOptions
 from outrider.train.states.int4 import Int4Scheme
 from outrider.train.states.layer_loader import LayerLoader, Loaded, Unit, UnitTiming
+from outrider.train.states.workset import measure_decoder
 from outrider.train.states.weights import (
     SafetensorsFiles,
     build_tensor,
@@ -141,47 +148,31 @@ def plan_passes(lengths: Sequence[int], tokens_per_pass: int) -> list[list[int]]
     return consecutive_groups(lengths, tokens_per_pass)
 
 
-def plan_chunks(lengths: Sequence[int], packed: bool, max_tokens: int, max_bytes: float = math.inf,
-                per_token: int = 0, per_key: int = 0) -> list[Chunk]:
+def plan_chunks(lengths: Sequence[int], packed: bool, max_tokens: int,
+                fits: Callable[[Chunk], bool] | None = None) -> list[Chunk]:
     """Examples (by index into ``lengths``) sorted longest first (stable) and grouped greedily into
-    chunks of at most ``max_tokens`` padded tokens whose activations (``chunk_bytes``) stay under
-    ``max_bytes``; a chunk holds at least one example."""
+    chunks of at most ``max_tokens`` padded tokens that ``fits`` accepts; a chunk holds at least one example."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     chunks: list[list[int]] = []
 
-    def fits(members: list[int]) -> bool:
+    def ok(members: list[int]) -> bool:
         c = Chunk(tuple(members), tuple(lengths[i] for i in members), packed)
-        return c.padded_tokens <= max_tokens and chunk_bytes(c, per_token, per_key) <= max_bytes
+        return c.padded_tokens <= max_tokens and (fits is None or fits(c))
 
     for i in order:
-        if chunks and fits(chunks[-1] + [i]):
+        if chunks and ok(chunks[-1] + [i]):
             chunks[-1].append(i)
         else:
             chunks.append([i])
     return [Chunk(tuple(c), tuple(lengths[i] for i in c), packed) for c in chunks]
 
 
-def chunk_bytes(chunk: Chunk, per_token: int, per_key: int) -> int:
-    return chunk.padded_tokens * (per_token + per_key * chunk.width)
-
-
-def activation_bytes(config, itemsize: int, attn_implementation: str = "sdpa") -> tuple[int, int]:
-    """A generous estimate of one decoder layer's transient bytes: ``(per_token, per_token_and_key)``,
-    so that a chunk of ``t`` padded tokens of width ``w`` needs ``t * (per_token + per_token_and_key * w)``
-    (the second term: the mask, and for eager attention the scores and probabilities)."""
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    qk = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
-    head_dim = max(qk, getattr(config, "v_head_dim", 0) or 0, getattr(config, "head_dim", 0) or h // heads)
-    attn = 4 * heads * head_dim + (getattr(config, "q_lora_rank", 0) or 0) + (getattr(config, "kv_lora_rank", 0) or 0)
-    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or 0
-    mlp = 3 * (getattr(config, "intermediate_size", 0) or 0)
-    if experts:
-        inter, top_k = config.moe_intermediate_size, config.num_experts_per_tok
-        shared = inter * (getattr(config, "n_shared_experts", 0) or 0)
-        mlp = max(mlp, top_k * (2 * h + 3 * inter) + 3 * shared + 3 * experts * 4 // itemsize)
-    per_key = 1 if attn_implementation == "sdpa" else 4 + 8 * heads
-    return int(1.5 * itemsize * (6 * h + max(attn, mlp))), per_key
+def layer_step(layer: torch.nn.Module, h: torch.Tensor, mask: Any, pos: torch.Tensor, rotary: torch.nn.Module,
+               norm: torch.nn.Module | None) -> torch.Tensor:
+    """One decoder layer over a chunk, h [rows, width, H] -> [rows, width, H] (then the final norm when
+    given): what a pass runs and what the working set is measured on."""
+    h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary(h, pos))
+    return norm(h) if norm is not None else h
 
 
 @dataclass
@@ -191,6 +182,7 @@ class PassStats:
     padded_tokens: int
     chunks: int
     states_on: str  # "device" | "host"
+    planned_bytes: float = 0.0  # the memory plan's device peak for this pass
     wall_s: float = 0.0
     nbytes: int = 0  # checkpoint bytes moved
     read_s: float = 0.0  # host reads into the staging buffers
@@ -312,7 +304,7 @@ class StreamedTarget:
                  gpu_memory: float | None = None, tokens_per_pass: int | None = None,
                  max_chunk_tokens: int | None = None, packing: str = "padded", out_device: torch.device | str = "cpu",
                  attn_implementation: str = "sdpa", read_threads: int = 8, temp_bytes: int = 1 << 30,
-                 states_on: str = "auto"):
+                 states_on: str = "auto", attention_memory: str = "math"):
         path = resolve(target)
         if path.is_file():
             raise UserError(f"{path} is a GGUF file: layer streaming reads a safetensors model folder")
@@ -320,6 +312,8 @@ class StreamedTarget:
             raise UserError(f"packing must be 'padded' or 'packed', not '{packing}'")
         if states_on not in ("auto", "device", "host"):
             raise UserError(f"states_on must be 'auto', 'device' or 'host', not '{states_on}'")
+        if attention_memory not in ("math", "fused"):
+            raise UserError(f"attention_memory must be 'math' or 'fused', not '{attention_memory}'")
         self.states_on = states_on
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -345,11 +339,13 @@ class StreamedTarget:
             raise UserError("--tokens-per-pass and the chunk size must be at least 1")
         self.units = self._units()
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.per_token, self.per_key = activation_bytes(self.config, self.itemsize, attn_implementation)
-        self.budget = self._budget(gpu_memory)
+        self.working = measure_decoder(self.config, self.decoder, self.dtype, layer_step, attention_memory)
+        self.memory = self._memory(gpu_memory)
+        self.budget = self.memory.budget
         self.stats: list[PassStats] = []
         self._pinned = _PinnedPool()
         self._fraction_set = False
+        self._done: torch.cuda.Event | None = None  # the previous unit's kernels, all queued
         if cuda and gpu_memory is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
@@ -388,22 +384,27 @@ class StreamedTarget:
     def weights_need(self) -> int:
         """Device bytes for weights at the peak: the largest unit built plus its checkpoint bytes,
         the next unit's checkpoint bytes and the dequantization temporaries."""
-        biggest = max(u.raw_bytes + u.built_bytes for u in self.units)
-        temp = 2 * min(self.temp_bytes, max(u.built_bytes for u in self.units))  # dequantization temporaries
-        return biggest + max(u.raw_bytes for u in self.units) + temp
+        return int(self._resident_bytes() + self._temporaries())
 
-    def _budget(self, gpu_memory: float | None) -> float:
-        if gpu_memory is None and self.device.type != "cuda":
-            return math.inf
-        free = gpu_memory is None
-        budget = torch.cuda.mem_get_info(self.device)[0] - (1 << 30) if free else float(gpu_memory) * GB
-        need = self.weights_need() + self.per_token + self.per_key
-        if budget < need:
+    def _resident_bytes(self) -> int:
+        return max(u.raw_bytes + u.built_bytes for u in self.units) + max(u.raw_bytes for u in self.units)
+
+    def _temporaries(self) -> int:
+        return 2 * min(self.temp_bytes, max(u.built_bytes for u in self.units))
+
+    def _memory(self, gpu_memory: float | None) -> StreamMemory:
+        unbounded = gpu_memory is None and self.device.type != "cuda"
+        free = gpu_memory is None and not unbounded
+        budget = math.inf if unbounded else (
+            torch.cuda.mem_get_info(self.device)[0] - (1 << 30) if free else float(gpu_memory) * GB)
+        H, b = self.hidden_size, self.itemsize
+        memory = StreamMemory(budget, self._resident_bytes(), self._temporaries(),
+                              state_per_token=H * b * (len(self.aux_layer_ids) + 2), input_per_token=H * b,
+                              pass_per_token=3 * 8, working=self.working)
+        if not memory.chunk_fits(1, 1):  # a one-token chunk
             what = f"the free device memory ({budget / GB:.2f} GB)" if free else f"--gpu-memory {gpu_memory:g} GB"
-            raise UserError(f"{what} is smaller than one layer: streaming needs at least {need / GB:.2f} GB (the "
-                            "largest layer built, its checkpoint bytes and the next layer's, plus activations): "
-                            "raise --gpu-memory or free the device")
-        return budget
+            raise UserError(memory.refusal(what, 1, 1))
+        return memory
 
     @property
     def pass_tokens(self) -> int:
@@ -413,21 +414,37 @@ class StreamedTarget:
     # -- capture --------------------------------------------------------------------------------
 
     def plan(self, lengths: Sequence[int]) -> tuple[list[Chunk], str]:
-        """The chunks of one pass of examples of these lengths, and where its states live."""
-        free = self.budget - self.weights_need()
-        state = self.hidden_size * self.itemsize * (len(self.aux_layer_ids) + 2) * sum(lengths)
-        chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free - state, self.per_token, self.per_key)
-        state += self.hidden_size * self.itemsize * (sum(c.padded_tokens for c in chunks) - sum(lengths))
-        biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
-        if self.states_on == "device" or (self.states_on == "auto" and state + biggest <= free) \
-                or self.device.type == "cpu":
-            return chunks, "device"
-        chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens, free, self.per_token, self.per_key)
-        biggest = max(chunk_bytes(c, self.per_token, self.per_key) for c in chunks)
-        if biggest > free:
-            raise UserError(f"an example of {max(lengths)} tokens needs {(biggest + self.weights_need()) / GB:.2f} GB "
-                            f"with the largest layer: raise --gpu-memory or drop longer examples")
+        """The chunks of one pass of examples of these lengths, and where its states live ("device" or
+        "host"); a ``UserError`` when not even the longest example fits beside a layer."""
+        m, tokens = self.memory, sum(lengths)
+        if self.states_on != "host" or self.device.type == "cpu":  # the CPU has no other memory to move to
+            padded = tokens
+            for _ in range(2):  # the padding of the chunks is the pass's too: chunk again with it
+                chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens,
+                                     lambda c: m.chunk_fits(c.padded_tokens, c.width, padded, True))
+                padded = sum(c.padded_tokens for c in chunks)
+            if self.device.type == "cpu" or self.states_on == "device" or self._peak(chunks, "device") <= m.usable:
+                self._check(chunks, "device", tokens)
+                return chunks, "device"
+        chunks = plan_chunks(lengths, self.packed, self.max_chunk_tokens,
+                             lambda c: m.chunk_fits(c.padded_tokens, c.width, tokens))
+        self._check(chunks, "host", tokens)
         return chunks, "host"
+
+    def _peak(self, chunks: list[Chunk], where: str) -> float:
+        """The plan's device peak for a pass in these chunks (padded states on the device, or none)."""
+        padded = sum(c.padded_tokens for c in chunks)
+        return max(self.memory.peak(padded, c.padded_tokens, c.width, where == "device") for c in chunks)
+
+    def _check(self, chunks: list[Chunk], where: str, tokens: int) -> None:
+        if self._peak(chunks, where) <= self.memory.usable:
+            return
+        what = f"--gpu-memory {self.budget / GB:g} GB" if math.isfinite(self.budget) else "the device"
+        big = max(chunks, key=lambda c: self.memory.chunk_bytes(c.padded_tokens, c.width, where == "device"))
+        if where == "device" and self.memory.chunk_fits(big.padded_tokens, big.width):
+            raise UserError(f"{what} cannot hold the states of a pass of {tokens:,} tokens "
+                            f"({size(self._peak(chunks, where))} with a layer and a chunk): lower --tokens-per-pass")
+        raise UserError(self.memory.refusal(what, big.padded_tokens, big.width))
 
     @torch.no_grad()
     def states(self, input_ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -442,24 +459,26 @@ class StreamedTarget:
                                 "another tokenizer?")
         lengths = [len(x) for x in examples]
         passes = plan_passes(lengths, self.tokens_per_pass)
+        plans = [self.plan([lengths[i] for i in members]) for members in passes]  # refused before loading
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(examples)
         stream = self.loader.stream([u for _ in passes for u in self.units], then=self.units[0])
         try:
-            for members in passes:
-                for i, result in zip(members, self._pass([examples[i] for i in members], stream)):
+            for members, plan in zip(passes, plans):
+                for i, result in zip(members, self._pass([examples[i] for i in members], plan, stream)):
                     out[i] = result
         finally:
             stream.close()
         return out  # type: ignore[return-value]
 
-    def _pass(self, examples: list[list[int]], stream) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pass(self, examples: list[list[int]], plan: tuple[list[Chunk], str],
+              stream) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
-        chunks, where = self.plan([len(x) for x in examples])
+        chunks, where = plan
         home = self.device if where == "device" else torch.device("cpu")
         run = _Pass(examples, chunks, self.device, home, self.hidden_size, len(self.aux_layer_ids), self.dtype,
                     self.pad_id, self._pinned)
         stats = PassStats(len(examples), sum(c.tokens for c in chunks), sum(c.padded_tokens for c in chunks),
-                          len(chunks), where)
+                          len(chunks), where, self._peak(chunks, where))
         for index in range(len(self.units)):
             loaded = next(stream)
             self._unit(run, loaded, index - 1)  # the embedding is unit 0, decoder layer i unit i+1
@@ -486,6 +505,8 @@ class StreamedTarget:
         timing, cuda = loaded.timing, self.device.type == "cuda"
         t0 = time.perf_counter()
         if cuda:
+            if self._done is not None:  # the host may not run ahead: a unit's checkpoint buffer (record_stream)
+                self._done.synchronize()  # is freed only once the kernels queued on it have run
             timing.events["compute0"] = _event()
         loaded.materialise(self.temp_bytes)
         if cuda:
@@ -504,13 +525,14 @@ class StreamedTarget:
             pos = run.positions[c]  # [1, width]
             mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=run.masks[c],
                                       position_ids=pos, **no_cache)
-            h = module(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos))
-            if layer == self.num_layers - 1:
-                run.put_final(c, self.norm(h))
+            last = layer == self.num_layers - 1
+            h = layer_step(module, h, mask, pos, self.rotary, self.norm if last else None)  # [rows, width, H]
+            if last:
+                run.put_final(c, h)
             else:
                 run.store(c, h)
         if cuda:
-            timing.events["compute1"] = _event()
+            timing.events["compute1"] = self._done = _event()
         else:
             timing.compute_s = time.perf_counter() - t0
         loaded.release()
