@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from outrider.cliargs import (
+    check_engine_capture,
+    engine_capture_flags,
     NONNEGATIVE,
     POSITIVE,
     SEED,
@@ -170,6 +172,12 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from outrider.train.states.capture_ranks import Ranks
     from outrider.train.states.stream import streamed_source
 
+    check_engine_capture(a)
+    if a.print_command:
+        from outrider.train.states.engine_source import print_command
+
+        print(print_command(a.target, a.aux_layers, a.engine_storage))
+        return 0
     # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
     env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     ranks = Ranks(env)
@@ -182,7 +190,13 @@ def cmd_capture(a: argparse.Namespace) -> int:
                                                       lock=ranks.lead))
                 if a.force and claim.existing and ranks.lead:
                     claim.clear()
-                source = streamed_source(a.target, a.aux_layers, stream_options(a), device)
+                if a.engine:
+                    from outrider.train.states.engine_source import vllm_source
+
+                    source = vllm_source(a.target, a.aux_layers, a.server, a.engine_storage, a.engine_args,
+                                         timeout=a.timeout)
+                else:
+                    source = streamed_source(a.target, a.aux_layers, stream_options(a), device)
             except UserError as e:
                 error = e
             ranks.settle(error)
@@ -462,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quiet", action="store_true")
     placement(sp)
     streaming(sp)
+    engine_capture_flags(sp)
     sp.set_defaults(fn=cmd_capture)
 
     sp = sub.add_parser("export", help="servable checkpoint + launch commands")

@@ -366,3 +366,28 @@ def output_of(a: argparse.Namespace) -> Any:
         if value not in (None, "-"):
             return os.fspath(value)
     return None
+
+
+def engine_capture_flags(sp: argparse.ArgumentParser) -> None:
+    """``capture``'s flags for hidden states taken from vLLM (``train.states.engine_source``)."""
+    sp.add_argument("--engine", default=None, choices=["vllm"],
+                    help="take the hidden states from vLLM (speculative method extract_hidden_states): one it "
+                         "starts (`vllm` on PATH), or the one at --server")
+    sp.add_argument("--server", default=None, metavar="URL",
+                    help="with --engine: a running vLLM started with the extraction config (--print-command)")
+    sp.add_argument("--engine-storage", default=None, metavar="DIR",
+                    help="with --engine: the folder its connector writes to, as seen here (a temporary one when "
+                         "outrider starts the server)")
+    sp.add_argument("--engine-args", default="", metavar="ARGS",
+                    help="with --engine and no --server: more `vllm serve` arguments, e.g. '--tensor-parallel-size 8'")
+    sp.add_argument("--timeout", type=FloatRange(0, open_lo=True), default=120.0, metavar="S",
+                    help="with --engine: bounds every wait on the server and on its files (default 120)")
+    sp.add_argument("--print-command", action="store_true",
+                    help="with --engine: print the `vllm serve` command that --server expects, and exit")
+
+
+def check_engine_capture(a: argparse.Namespace) -> None:
+    if (a.server or a.engine_storage or a.engine_args or a.print_command) and not a.engine:
+        raise UserError("--server, --engine-storage, --engine-args and --print-command go with --engine vllm")
+    if a.engine and (a.stream_layers or a.device_map):
+        raise UserError("--engine takes the states from the engine: leave out --stream-layers and --device-map")

@@ -97,11 +97,7 @@ def build_target(kind: str, out: Path, seed: int = 0) -> Path:
     tok = tiny_tokenizer()
     tok.chat_template = CONTENT_ONLY
     tok.save_pretrained(out)
-    if kind == "deepseek_v3":  # what real DeepSeek-V3 configs say: vLLM builds the gate's bias from it
-        cfg = json.loads((out / "config.json").read_text())
-        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    return _as_deepseek_configs_say(kind, out)
 
 
 def build_head(target: Path, attention: str = "gqa", parallel: bool = False):
@@ -135,3 +131,24 @@ def build_head(target: Path, attention: str = "gqa", parallel: bool = False):
     t2d[SPECIALS:] = True
     head.set_vocab(torch.full((VOCAB - SPECIALS,), SPECIALS, dtype=torch.long), t2d)
     return head.eval().requires_grad_(False)
+
+
+def save_random(kind: str, out: Path, seed: int = 0) -> Path:
+    """A randomly initialised target of the same shapes (the plain tiny chat template): varied states
+    for capture checks."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(target_config(kind), dtype=torch.float32).eval()
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return _as_deepseek_configs_say(kind, out)
+
+
+def _as_deepseek_configs_say(kind: str, out: Path) -> Path:
+    """DeepSeek-V3's published configs name the gate (vLLM builds the gate's bias from it)."""
+    if kind == "deepseek_v3":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

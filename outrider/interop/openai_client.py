@@ -6,7 +6,8 @@ Contract:
   threads (each call opens its own connection).
 - ``check()`` confirms the server answers at all and returns the model name to use (the given
   one, or the first one ``/v1/models`` lists). A server that cannot be reached is a ``UserError``.
-- ``chat(messages, max_tokens, temperature=0.0, seed=None)`` returns the assistant text of a greedy
+- ``post(path, body, kept)`` sends one JSON request with the retries below; ``chat(messages,
+  max_tokens, temperature=0.0, seed=None)`` returns the assistant text of a greedy
   reply, or of one sampled at ``temperature`` (> 0) with ``top_p`` 1 (not the server's default) and
   the request's ``seed`` when given.
   Connection failures, timeouts, HTTP 408/429 and 5xx are retried with exponential backoff; when
@@ -52,10 +53,6 @@ class ChatClient:
         self.backoff = float(backoff)
         self.api_key = api_key
 
-    @property
-    def chat_url(self) -> str:
-        return self.base + "/v1/chat/completions"
-
     def _request(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -95,27 +92,30 @@ class ChatClient:
             body["top_p"] = 1.0
         if seed is not None:
             body["seed"] = int(seed)
+        reply = self.post("/v1/chat/completions", body, "finished conversations are kept and skipped")
+        try:
+            content = reply["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            detail = short(json.dumps(reply))
+            raise ServerRejected(200, f"no choices[0].message.content in the reply: {detail}") from None
+        return "" if content is None else str(content)
+
+    def post(self, path: str, body: dict[str, Any], kept: str) -> dict[str, Any]:
+        """POST ``body`` to ``{server}{path}``, retried as the module docstring says; ``kept`` ends the
+        one line given when the attempts are used up (what a rerun keeps)."""
         last = ""
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                reply = self._request(self.chat_url, body)
+                return self._request(self.base + path, body)
             except urllib.error.HTTPError as e:
                 detail = short(e.read().decode("utf-8", "replace")) if e.fp is not None else str(e.reason)
                 e.close()
                 if e.code not in _RETRY_STATUS:
                     raise ServerRejected(e.code, detail) from None
                 last = f"HTTP {e.code}: {detail}"
-                continue
             except (urllib.error.URLError, OSError) as e:
                 last = str(getattr(e, "reason", e))
-                continue
-            try:
-                content = reply["choices"][0]["message"]["content"]
-            except (KeyError, IndexError, TypeError):
-                detail = short(json.dumps(reply))
-                raise ServerRejected(200, f"no choices[0].message.content in the reply: {detail}") from None
-            return "" if content is None else str(content)
         raise UserError(f"the server at {self.base} failed {self.retries} times (last: {last}); "
-                        "check it is running and rerun: finished conversations are kept and skipped")
+                        f"check it is running and rerun: {kept}")

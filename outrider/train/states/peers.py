@@ -169,15 +169,29 @@ class SpeculatorsCache:
         return self.ids, self.masks, [p.name for p in self.files]
 
     def read(self, split: str, index: int) -> Stored:
-        from safetensors.torch import load_file
-
-        t = load_file(str(self.files[index]))
-        hs = t["hidden_states"]  # [T, 4, H]
-        if "hidden_states_scales" in t:  # hs-connectors fp8: dequantised as its FP8Transfer does
-            hs = hs.to(torch.bfloat16) * t["hidden_states_scales"].to(torch.bfloat16)
+        hs, _ = read_connector_file(self.files[index])  # [T, 4, H]
         rows = torch.from_numpy(teacher_rows(self.masks[index]))
-        check_finite({"hidden_states": hs}, str(self.files[index]), _NONFINITE)
         return Stored(hs[:, :3], None, hs[:, 3].index_select(0, rows), None, rows)
+
+
+def read_connector_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``hidden_states`` [T, k, H], ``token_ids`` [T]) of one file of vLLM's hidden-states
+    connector (plain, or hs-connectors' fp8 with ``hidden_states_scales``, dequantised as its
+    ``FP8Transfer`` does); a file that is unreadable, cut short or non-finite is one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read the hidden states {path}: {str(e).splitlines()[0]}") from None
+    if "hidden_states" not in t or "token_ids" not in t or t["hidden_states"].dim() != 3:
+        raise UserError(f"{path} is not a hidden-states file of vLLM's connector (hidden_states [T, k, H], token_ids)")
+    hs = t["hidden_states"]
+    if "hidden_states_scales" in t:
+        hs = hs.to(torch.bfloat16) * t["hidden_states_scales"].to(torch.bfloat16)
+    check_finite({"hidden_states": hs}, str(path), _NONFINITE)
+    return hs, t["token_ids"]
 
 
 def _arrow_rows(data: Path, hs_dir: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
