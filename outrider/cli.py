@@ -541,8 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--epochs", type=FloatRange(0, open_lo=True), default=10.0)
     tr.add_argument("--regenerate", default=None, choices=["served", "local", "none"],
                     help="default: local if the target fits one GPU, else served")
-    tr.add_argument("--capture", default=None, choices=["streamed", "served", "online"],
-                    help="default: online if the target fits one GPU, served if it fits the GPUs, else streamed")
+    tr.add_argument("--capture", default=None, choices=["streamed", "engine", "served", "online"],
+                    help="default: online if the target fits one GPU, engine (vLLM; old name served) if it fits the GPUs")
     tr.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp8"])
     tr.add_argument("--serve-gpus", type=IntRange(1, 1024), default=8,
                     help="GPUs of a serving node when the target does not fit")

@@ -1,8 +1,8 @@
 """Capture through vLLM (the engine tier): hidden states from a real vLLM into our cache, equal to our
 own capture in float32, and its faults (the server gone mid-run) kept to one line and resumable.
 
-The target is randomly initialised (varied states) at the shapes vLLM's CPU kernels take
-(``permuted.save_random``); the data are tiny ShareGPT conversations. vLLM's ids are asked for as
+The equality runs on the default target (SmolLM2-135M) and 24 ShareGPT conversations; the fault
+runs on a randomly initialised target at the shapes vLLM's CPU kernels take (``permuted.save_random``). vLLM's ids are asked for as
 the aux ids plus ``L``; the equality of every stored state with the in-memory capture (which reads
 Hugging Face's ``output_hidden_states``) is what checks that vLLM's id ``j`` is the state entering
 layer ``j`` and ``L`` the last layer's output before the final norm.
@@ -41,18 +41,40 @@ def vllm():
         pytest.skip(f"vLLM {engine_env.VLLM_VERSION} (CPU build) cannot be installed here: {e}")
 
 
+def _capture_ours(target: str, data: Path, out: Path) -> float:
+    """Our in-memory capture (float32); its tokens/s."""
+    t0 = time.perf_counter()
+    report = capture_cache(target, str(data), str(out), dtype="float32", aux_layer_ids=AUX, max_tokens_per_shard=400,
+                           progress=False, device="cpu")
+    return report.tokens / (time.perf_counter() - t0)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """A random target at vLLM's CPU shapes, tiny conversations and our capture of them."""
     root = tmp_path_factory.mktemp("engine_capture")
     target = permuted.save_random("llama", root / "target", seed=5)
     data = root / "data"
     build_dataset(str(target), str(_conversations(root / "c.json", 24, 1, 5, 60)), str(data), eval_fraction=0.2,
                   progress=False)
     ours = root / "ours"
-    t0 = time.perf_counter()
-    report = capture_cache(str(target), str(data), str(ours), dtype="float32", aux_layer_ids=AUX,
-                           max_tokens_per_shard=400, progress=False, device="cpu")
-    return {"root": root, "target": target, "data": data, "ours": ours, "ours_tps": report.tokens / (time.perf_counter() - t0)}
+    return {"root": root, "target": target, "data": data, "ours": ours, "ours_tps": _capture_ours(str(target), data, ours)}
+
+
+@pytest.fixture(scope="module")
+def default_setup(tmp_path_factory):
+    """The default target (SmolLM2-135M), 24 ShareGPT conversations, our capture of them."""
+    from outrider import assets
+
+    if not (assets.default_model_dir() / "config.json").exists():
+        pytest.skip("default model not pulled (run `outrider pull`)")
+    root = tmp_path_factory.mktemp("engine_capture_default")
+    data = root / "data"
+    assert main(["data", "default", "--dataset", "sharegpt", "--out", str(data), "--max-conversations", "24",
+                 "--max-length", "256", "--quiet"]) == 0
+    ours = root / "ours"
+    return {"root": root, "target": "default", "data": data, "ours": ours,
+            "ours_tps": _capture_ours("default", data, ours)}
 
 
 def _max_differences(a: Path, b: Path) -> tuple[list[float], float, int]:
@@ -79,13 +101,16 @@ def _engine_env(monkeypatch, vllm: Path) -> None:
             monkeypatch.setenv(key, value)
 
 
-def test_engine_capture_equals_ours_and_trains(vllm, setup, monkeypatch, tmp_path, capsys):
+def test_engine_capture_equals_ours_and_trains(vllm, default_setup, monkeypatch, tmp_path):
+    """On the default target in float32: every stored state equal to our capture's, and training from
+    either cache gives the same losses."""
+    setup = default_setup
     _engine_env(monkeypatch, vllm)
     out = setup["root"] / "engine"
     t0 = time.perf_counter()
     rc = main(["capture", str(setup["target"]), "--data", str(setup["data"]), "--out", str(out), "--dtype", "float32",
                "--aux-layers", ",".join(map(str, AUX)), "--max-tokens-per-shard", "400", "--engine", "vllm",
-               "--engine-args", "--dtype float32 --max-model-len 512", "--quiet"])
+               "--engine-args", "--dtype float32 --max-model-len 1024", "--quiet"])
     wall = time.perf_counter() - t0
     assert rc == 0
     aux, final, tokens = _max_differences(setup["ours"], out)

@@ -96,7 +96,7 @@ def test_kimi_plans_are_complete(kimi_plans):
         json.dumps(to_json(p))
     rtx, h200 = kimi_plans
     H = 7168
-    assert rtx.stages[1].mode == "served" and rtx.stages[0].gpus == 8
+    assert rtx.stages[1].mode == "engine" and "--engine vllm --server" in " ".join(rtx.stages[1].notes) and rtx.stages[0].gpus == 8
     assert rtx.stages[2].disk.value == pytest.approx(rtx.sizes.distinct_tokens * 4 * H * 2 / 1e9)
     assert all(s.memory.value < 96 for s in rtx.stages)
     # one H200 cannot hold the target: capture streams it layer by layer on that GPU, serving goes to a node

@@ -25,8 +25,9 @@ Stage models:
   reads, FLOPs / (GPUs x peak x efficiency), cache bytes / write rate). Weight reads: each rank
   at most ``stream_bytes_per_s``; when host memory holds the checkpoint beside every rank's
   pinned buffers the page cache keeps it (storage reads it once), else every pass of every rank
-  reads it again and N ranks share ``storage_read_bytes_per_s``; the notes give the bound on N. ``served``: a serving engine's prefill over every
-  token, the states written out. Cached modes store 4 x H values per token (three aux states and
+  reads it again and N ranks share ``storage_read_bytes_per_s``; the notes give the bound on N.
+  ``engine`` (formerly ``served``): vLLM's ``extract_hidden_states`` on a tensor-parallel server
+  (``capture --engine vllm``): its prefill over every token, the states written out. Cached modes store 4 x H values per token (three aux states and
   the last): bf16 4H x 2 B, fp8 4H x (1 + 4/H) B (one fp32 scale per row of H values).
 - training: FLOPs per token in ``outrider.train.loop.flops``' conventions (the target's forward when
   online; the head's forward and backward over ``ttt_steps``; lm_head at the loss positions);
@@ -70,7 +71,8 @@ from outrider.plan.measured import fit_profile, load_measured
 from outrider.plan.presets import PRESETS, resolve_target
 
 REGENERATE = ("served", "local", "none")
-CAPTURE = ("online", "streamed", "served")
+CAPTURE = ("online", "streamed", "engine")
+CAPTURE_ALIASES = {"served": "engine"}  # the name before `capture --engine vllm` existed
 CACHE_DTYPES = ("bf16", "fp8")
 FIT = 0.9  # share of a GPU's memory a plan may fill
 STREAM_PASS_TOKENS = 262144  # StreamedTarget's defaults on CUDA: tokens per pass, padded tokens per chunk,
@@ -311,7 +313,7 @@ def _capture(c: _Ctx, mode: str) -> Stage:
     if mode == "online":
         if not fits(shape, c.hw, 1):
             raise UserError(f"--capture online keeps {c.name} ({shape.weight_bytes / 1e9:,.0f} GB) on every training "
-                            f"GPU, but it does not fit one {c.hw.name}: use --capture streamed or served")
+                            f"GPU, but it does not fit one {c.hw.name}: use --capture streamed or engine")
         return Stage("capture", "online", 0, c.hw.name,
                      Figure(0.0, "s", f"inside each training step: the target's forward, {flops / 1e9:.3g} GFLOP per "
                             f"token, is counted in the training's FLOPs"),
@@ -353,8 +355,23 @@ def _capture(c: _Ctx, mode: str) -> Stage:
     chunk = 8192 * inflight_bytes_per_token(shape)
     mem = Figure((shape.weight_bytes / tp + chunk) / 1e9, "GB", f"weights / TP {shape.weight_bytes / tp / 1e9:.1f} GB + "
                  f"an 8,192-token prefill chunk {chunk / 1e9:.2f} GB")
-    return Stage("capture", "served", tp, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
-                 [f"served on {where}"])
+    return Stage("capture", "engine", tp, c.hw.name, time, mem, Figure(0.0, "GB", "the cache (next stage)"),
+                 [f"vLLM on {where} extracts the states (`vllm serve T --tensor-parallel-size {tp}` with "
+                  "`outrider capture T --engine vllm --print-command`'s extraction config, then `outrider capture T "
+                  "--engine vllm --server URL --engine-storage DIR`)",
+                  f"{S / time.value:,.0f} tokens/s over the whole capture; {bpt:,.0f} B of cache per token "
+                  f"({c.cache_dtype}: 4 x H = 4 x {shape.hidden_size:,} values)"])
+
+
+def _capture_alternative(c: _Ctx, mode: str) -> str:
+    """One capture mode's time and GPU-hours on this plan, or why it does not apply."""
+    try:
+        st = _capture(c, mode)
+    except UserError as e:
+        return f"{mode}: {e}"
+    if mode == "online":
+        return "online: inside training (the target's forward in every step)"
+    return f"{mode}: {st.time.value / 60:,.1f} min on {st.gpus} GPU(s), {st.time.value * st.gpus / 3600:,.2f} GPU-h"
 
 
 def _stream_memory(c: _Ctx, share: float) -> tuple[StreamMemory, float, int, bool]:
@@ -506,7 +523,7 @@ def train_plan(target: str, hardware: str, gpus: int = 1, conversations: int = 2
     """The plan (see the module docstring). ``measured`` is a ``measured.Measured`` (or a path) that
     calibrates the served stages' profile; ``rates`` overrides ``rates.RATES`` (``with_overrides``).
     ``regenerate`` / ``capture`` default to what fits: local and online when the target fits one GPU,
-    else served (the target fits the plan's GPUs) or streamed (it does not)."""
+    else engine (the target fits the plan's GPUs: vLLM extracts the states) or streamed (it does not)."""
     for name, v in (("--gpus", gpus), ("--conversations", conversations), ("--turns", turns),
                     ("--tokens-per-turn", tokens_per_turn), ("--serve-gpus", serve_gpus), ("k", k),
                     ("max_length", max_length), ("micro-batch tokens", micro_batch_tokens)):
@@ -527,7 +544,8 @@ def train_plan(target: str, hardware: str, gpus: int = 1, conversations: int = 2
         serve_hw, calibration = fit.profile, f"{hw.name} profile calibrated on {m.source}"
         notes.append(f"calibration: {fit.summary()}")
     regenerate = regenerate or ("local" if fits(shape, hw, 1) else "served")
-    capture = capture or ("online" if fits(shape, hw, 1) else ("served" if fits(shape, hw, gpus) else "streamed"))
+    capture = CAPTURE_ALIASES.get(capture, capture) or (
+        "online" if fits(shape, hw, 1) else ("engine" if fits(shape, hw, gpus) else "streamed"))
     if regenerate not in REGENERATE:
         raise UserError(f"--regenerate must be one of {', '.join(REGENERATE)}, got {regenerate!r}")
     if capture not in CAPTURE:
@@ -542,6 +560,7 @@ def train_plan(target: str, hardware: str, gpus: int = 1, conversations: int = 2
     at_k = tuple(tau_at_k(v, k) for v in (tau.central, tau.low, tau.high))
     stages = [_regeneration(c, regenerate), _capture(c, capture), _cache(c, capture), _training(c, capture),
               _evaluation(c, at_k[0], k, eval_prompts, eval_new_tokens, eval_repeats)]
+    stages[1].notes.append("other captures: " + "; ".join(_capture_alternative(c, m) for m in CAPTURE if m != capture))
     return TrainPlan(name, hw, gpus, sizes, stages, tau, k, at_k, curve, table, notes, calibration)
 
 
