@@ -15,7 +15,8 @@ from test_eagle3_proposer import _head
 from test_engine import _hf_greedy, _prompts
 
 from outrider.decode.engine import SpecEngine
-from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Outcome, Proposer, StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.strategies.rounds import DeviceRounds, accept_round
 

@@ -2,8 +2,8 @@
 
 On the CPU in float32, over the static cache (``read_len="max"``: the GPU's slot arithmetic):
 plain greedy chunks, a device-side proposer pipelined and in device rounds (``Scripted``, which
-accepts every length, and EAGLE-3), against ``SpecEngine.step`` alone: the tokens, the counts and
-the steps must be identical.
+accepts every length, and EAGLE-3 chains), EAGLE-3 trees (dynamic and static) pipelined, against
+``SpecEngine.step`` alone: the tokens, the counts and the steps must be identical.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from test_engine import MAX_NEW, _hf_greedy, _prompts
 from test_spec_rounds import Scripted
 
 from outrider.decode.engine import SpecEngine
-from outrider.decode.proposers.base import Draft
+from outrider.decode.draft import Draft
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.strategies import choose
 from outrider.decode.strategies.ar_chunks import GreedyChunks
 from outrider.decode.strategies.pipelined import PipelinedStep
 from outrider.decode.strategies.rounds import RoundChunks
+from outrider.ops.tree import TreeBudget, static_tree
 
 
 def _run(model, method, rounds, reference, monkeypatch, batch):
@@ -33,6 +34,9 @@ def _run(model, method, rounds, reference, monkeypatch, batch):
     monkeypatch.setattr("outrider.decode.engine.choose", pick)
     prompts, out = _prompts(), []
     proposer = {"ar": lambda: None, "eagle3": lambda: Eagle3Proposer(_head(model), model),
+                "eagle3-tree": lambda: Eagle3Proposer(_head(model), model, tree=TreeBudget(3, 3, 8)),
+                "eagle3-static": lambda: Eagle3Proposer(_head(model), model, tree=static_tree(
+                    "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]")),
                 "scripted": lambda: Scripted([_hf_greedy(model, p, MAX_NEW) for p in prompts],
                                              model.config.vocab_size)}[method]()
     engine = SpecEngine(model, proposer, k=3, read_len="max", rounds=rounds)
@@ -44,7 +48,8 @@ def _run(model, method, rounds, reference, monkeypatch, batch):
 
 @pytest.mark.parametrize("method, rounds, strategy, batch", [
     ("ar", 8, GreedyChunks, 3), ("scripted", 0, PipelinedStep, 3), ("scripted", 8, RoundChunks, 3),
-    ("eagle3", 0, PipelinedStep, 1), ("eagle3", 8, RoundChunks, 1)])  # Scripted knows the batch of all prompts
+    ("eagle3", 0, PipelinedStep, 1), ("eagle3", 8, RoundChunks, 1), ("eagle3-tree", 8, PipelinedStep, 3),
+    ("eagle3-static", 8, PipelinedStep, 1)])  # Scripted knows the batch of all prompts
 def test_every_strategy_emits_what_the_reference_step_emits(tiny_models, monkeypatch, method, rounds, strategy,
                                                              batch):
     model = tiny_models("llama")
@@ -55,15 +60,19 @@ def test_every_strategy_emits_what_the_reference_step_emits(tiny_models, monkeyp
     assert method != "scripted" or sum(a for *_, acc in got for a in acc) > 0  # drafts were accepted
 
 
-def test_a_draft_is_a_chain_and_verify_refuses_a_tree():
+def test_a_chain_is_a_draft_tree_and_one_verification_takes_both():
     import torch
 
     from outrider.decode.sampling import RowRandom, SamplingParams
     from outrider.decode.verify import verify
 
     draft = Draft.chain(torch.tensor([[5, 6, 7]]), torch.tensor([3]))
-    assert draft.parents.tolist() == [-1, 0, 1] and draft.is_chain()
+    assert draft.parents.tolist() == [-1, 0, 1] and draft.is_chain() and draft.levels == 3
+    assert draft.ancestors[0].tolist() == torch.ones(3, 3, dtype=torch.bool).tril().tolist()
     tree = Draft(draft.tokens, torch.tensor([-1, 0, 0]), draft.num)
-    assert not tree.is_chain()
-    with pytest.raises(ValueError, match="chains only"):
-        verify(tree, torch.zeros(1, 4, 10), SamplingParams(), RowRandom(1, 0))
+    assert not tree.is_chain() and tree.depths.tolist() == [[1, 2, 2]] and tree.siblings == 2
+    logits = torch.zeros(1, 4, 10)
+    logits[0, 0, 5] = logits[0, 1, 7] = logits[0, 3, 1] = 1.0  # root wants 5, node 0 wants 7 (node 2), node 2 wants 1
+    for d, acc, out in ((draft, 1, [5, 7]), (tree, 2, [5, 7, 1])):
+        v = verify(d, logits, SamplingParams(), RowRandom(1, 0))
+        assert v.num_accepted.tolist() == [acc] and v.tokens[0, :acc + 1].tolist() == out

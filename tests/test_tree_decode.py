@@ -10,7 +10,8 @@ import torch
 from tiny import random_head
 
 from outrider.decode.engine import SpecEngine
-from outrider.decode.proposers.base import Draft, Proposer
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Proposer
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.sampling import SamplingParams
 from outrider.ops.tree import TreeBudget, static_tree

@@ -32,26 +32,32 @@ def default_bf16():
     return load_model("default", device="cpu", dtype="bfloat16")
 
 
-def off_by_one(draft, num, target_logits):
+def _chain_path(n: torch.Tensor, k: int) -> torch.Tensor:
+    """A chain's accepted nodes by depth, [batch, k]: 0..n-1, then -1."""
+    ar = torch.arange(k)[None, :]
+    return torch.where(ar < n[:, None], ar, -1)
+
+
+def off_by_one(draft, target_logits):
     """Accepts one drafted token more than matched the target's argmax."""
-    res = verify_greedy(draft, num, target_logits)
-    n = torch.minimum(res.num_accepted + 1, num)
+    res = verify_greedy(draft, target_logits)
+    n = torch.minimum(res.num_accepted + 1, draft.num)
     tokens = res.tokens.clone()
-    rows = torch.arange(draft.shape[0])
+    rows = torch.arange(draft.tokens.shape[0])
     grew = n > res.num_accepted
-    tokens[rows[grew], res.num_accepted[grew]] = draft[rows[grew], res.num_accepted[grew]]
-    return VerifyResult(n, tokens)
+    tokens[rows[grew], res.num_accepted[grew]] = draft.tokens[rows[grew], res.num_accepted[grew]]
+    return VerifyResult(n, tokens, _chain_path(n, draft.tokens.shape[1]))
 
 
-def wrong_bonus(draft, num, target_logits):
+def wrong_bonus(draft, target_logits):
     """Emits, after the accepted drafts, the argmax one position too early (the classic shift)."""
-    res = verify_greedy(draft, num, target_logits)
+    res = verify_greedy(draft, target_logits)
     best = target_logits.argmax(-1)  # [batch, k+1]
-    rows = torch.arange(draft.shape[0])
+    rows = torch.arange(draft.tokens.shape[0])
     tokens = res.tokens.clone()
     shifted = best[rows, (res.num_accepted - 1).clamp(min=0)]
     tokens[rows, res.num_accepted] = torch.where(res.num_accepted > 0, shifted, best[:, 0])
-    return VerifyResult(res.num_accepted, tokens)
+    return VerifyResult(res.num_accepted, tokens, res.path)
 
 
 def test_first_difference():

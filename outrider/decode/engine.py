@@ -2,13 +2,13 @@
 
 Contract: prefill, then per step the method's definition (``SpecEngine.step``):
 
-    propose   a chain of k draft tokens per row (``proposers``; none for plain decoding), or a tree
-    verify    one target forward over [last, d_1..d_k]; greedy or rejection sampling (``verify``);
-              a tree's nodes under its ancestry mask, at the root's position plus their depth
-              (``verify_tree``)
-    commit    the accepted slots of the target's cache (a tree's: its accepted path); rejected ones
-              stay masked (``kv_cache``)
+    propose   a ``Draft`` per row (``proposers``; none for plain decoding): a chain of k, or a tree
+    verify    one target forward over the root and the nodes ([last, d_1..d_k] for a chain; a
+              tree's under its ancestry mask, at the root's position plus their depth), then one
+              verification, greedy or rejection sampling, for chains and trees alike (``verify``)
+    commit    the accepted path's slots of the target's cache; rejected ones stay masked (``kv_cache``)
     observe   emit and count per row (``state.RequestState``), feed the outcome to the proposer
+              (verify, commit and observe: ``round``, which every strategy shares)
 
 With no proposer the same step is plain autoregressive decoding, so the baseline and the
 speculative run share every line that is not speculation. Greedy output equals greedy decoding
@@ -19,8 +19,8 @@ a draft pipelined behind verification, whole rounds on the device) wrap the same
 exactly what ``step`` emits; the engine picks one per call. ``graphs=True`` (CUDA) replays each
 target forward width as a CUDA graph; ``compile=True`` fuses the target step with ``torch.compile``.
 
-Not done here: continuous batching (requests join only at prefill), prompt caching, faster
-strategies for trees (a tree round is the reference step).
+Not done here: continuous batching (requests join only at prefill), prompt caching, device
+rounds for trees (a tree round is the reference step, or pipelined).
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ import torch
 
 from outrider.ops.graphs import CompileOptions, compile_options
 from outrider.decode.kv_cache import static_cache
-from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Proposer, StartContext
+from outrider.decode.round import observe, verify_round
 from outrider.decode.runner import PROMPT_BUCKET, CachedLM, cached_lm_read_len, prefill_graphs_apply
 from outrider.decode.sampling import SamplingParams, probs, sample
 from outrider.decode.state import GenerationResult, RequestState
 from outrider.decode.strategies import choose
 from outrider.decode.strategies.rounds import DeviceRounds
-from outrider.decode.verify import verify
-from outrider.decode.verify_tree import verify_tree
 from outrider.errors import UserError, require
-from outrider.ops.tree import as_rows, depths, verify_mask
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
@@ -103,47 +102,20 @@ class SpecEngine:
         self.rounds_runner: DeviceRounds | None = None  # the device rounds of the last call, if it ran any
 
     def step(self, state: RequestState, target: CachedLM) -> None:
-        """One step, the method's definition: propose -> verify -> commit -> observe."""
-        B, k, marks = state.batch, state.k, state.marks
+        """One step, the method's definition: propose -> verify -> commit -> observe (``round``),
+        for chains and trees alike."""
         active = state.active_rows()  # [batch] bool
         draft = self.propose(state, active)  # a chain of k tokens per row, or a tree
-        marks.mark("verify")
-        if not draft.is_chain():
-            return self.tree_step(state, target, draft, active)
-        logits = target.forward(torch.cat([state.last[:, None], draft.tokens], dim=1))  # [batch, k+1, vocab]
-        res = verify(draft, logits, self.sampling, state.rand)
-        n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))  # [batch]
-        # the step's one host synchronisation: accepted counts, draft sizes, output tokens
-        host = torch.cat([n_acc[:, None], draft.num[:, None], res.tokens], dim=1).tolist()  # [batch][2 + k+1]
-        keep = (torch.arange(k + 1, device=self.device)[None, :] <= n_acc[:, None]) & active[:, None]
-        target.commit(keep, used=max((row[0] + 1 for row, a in zip(host, state.alive) if a), default=0))
-        state.record(host, k)  # emit up to EOS / max_new_tokens, count
-        if self.proposer is not None:
-            marks.mark("observe")
-            self.proposer.observe(Outcome(draft, n_acc, res.tokens, state.active_rows(), target.aux))
-        state.last = res.tokens[torch.arange(B, device=self.device), n_acc]
-
-    def tree_step(self, state: RequestState, target: CachedLM, draft: Draft, active: torch.Tensor) -> None:
-        """``step``'s verify, commit and observe for a draft tree of N nodes: one target forward
-        over the root and the nodes under the ancestry mask; the accepted path's slots are kept."""
-        B, N, D = state.batch, draft.tokens.shape[1], draft.levels
-        parents = as_rows(draft.parents.to(self.device), B)  # [batch, N]
-        depth = depths(parents)  # [batch, N]
-        positions = target.lengths[:, None] + torch.cat([depth.new_zeros(B, 1), depth], dim=1)  # [batch, 1+N]
-        real = torch.arange(N, device=self.device)[None, :] < draft.num[:, None]
-        valid = torch.cat([torch.ones_like(real[:, :1]), real], dim=1)  # [batch, 1+N]
-        logits = target.forward(torch.cat([state.last[:, None], draft.tokens], dim=1), positions=positions,
-                                query_valid=valid, new_mask=verify_mask(parents))  # [batch, 1+N, vocab]
-        res = verify_tree(draft, logits, self.sampling, state.rand)
-        n_acc = torch.where(active, res.num_accepted, torch.zeros_like(res.num_accepted))  # [batch]
-        host = torch.cat([n_acc[:, None], torch.full_like(n_acc[:, None], D), res.tokens], dim=1).tolist()
-        target.commit(res.keep(N) & active[:, None])
-        state.record(host, D)  # emit up to EOS / max_new_tokens; acceptance counted per depth
+        state.marks.mark("verify")
+        done = verify_round(target, state.last, draft, self.sampling, state.rand, active)
+        # the step's one host synchronisation: the records and the last slot any row keeps
+        host = torch.cat([done.record(), done.ends()[:, None]], dim=1).tolist()  # [batch][2 + D+1, 1]
+        target.commit(done.keep(), used=max(row[-1] for row in host))
+        state.record([row[:-1] for row in host], state.k)  # emit up to EOS / max_new_tokens, count
         if self.proposer is not None:
             state.marks.mark("observe")
-            aux = None if target.aux is None else res.gather(target.aux)  # [batch, D+1, n_aux*hidden]
-            self.proposer.observe(Outcome(draft, n_acc, res.tokens, state.active_rows(), aux))
-        state.last = res.tokens[torch.arange(B, device=self.device), n_acc]
+            observe(self.proposer, done, target.aux, state.active_rows())
+        state.last = done.last
 
     def propose(self, state: RequestState, active: torch.Tensor) -> Draft:
         """The step's draft: the proposer's chain of ``state.k`` tokens, none for rows not ``active``."""

@@ -75,12 +75,16 @@ def _prefill_step(lm: "CachedLM", ids: torch.Tensor, positions: torch.Tensor, ma
     return out.logits, aux  # [batch, n or m, vocab], [batch, n, len(ids) * hidden] or None
 
 
-def _plain_step(lm: "CachedLM", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Positions, mask and forward of a plain step over reserved slots: (logits, aux)."""
+def _plain_step(lm: "CachedLM", ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                new_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions, mask and forward of a step over reserved slots: (logits, aux). A chain's new
+    tokens sit at the rows' next positions, causally; a tree's (``offsets`` [rows, n] past the
+    row's length, ``new_mask`` [rows, n, n]) at the root's position plus their depth, under
+    their ancestry."""
     B, n = ids.shape  # ids: [batch, n]
-    positions = lm.cache.lengths[:, None] + lm.cache.arange[:n]  # [batch, n]
+    positions = lm.cache.lengths[:, None] + (lm.cache.arange[:n] if offsets is None else offsets)  # [batch, n]
     query_valid = torch.ones(B, n, dtype=torch.bool, device=ids.device)
-    mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device), lm.dtype)
+    mask = lm.cache.attention_mask(query_valid, causal_mask(n, ids.device) if new_mask is None else new_mask, lm.dtype)
     return _prefill_step(lm, ids, positions, mask, None)  # [batch, n, vocab], aux
 
 
@@ -148,7 +152,7 @@ class CachedLM:
         self.capture = AuxCapture(model, aux_layer_ids, attach=False) if aux_layer_ids else None
         self.aux: torch.Tensor | None = None
         self._cache_kw = cache_kwarg(model)
-        self._graphs: dict[int, tuple] = {}  # n -> (graph, ids, logits, aux)
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (n, tree rows or 0) -> (graph, inputs, logits, aux)
         self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}  # (batch, n, m) -> graph, inputs, outputs
         self._mempool = None
         self._greedy: tuple | None = None  # graph mode: the self-feeding greedy step (greedy_run)
@@ -158,10 +162,12 @@ class CachedLM:
         fused_prefill = self.compile_options is not None and compile_prefill
         self._prefill_fn = _compiled_prefill(self.compile_options) if fused_prefill else _prefill_step
 
-    def step_body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The plain step over reserved slots, eager or compiled: (logits, aux)."""
+    def step_body(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                  new_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step over reserved slots (a tree's with ``offsets`` and ``new_mask``: ``_plain_step``),
+        eager or compiled: (logits, aux)."""
         with self._hooks():
-            return self._step_fn(self, ids)
+            return self._step_fn(self, ids) if offsets is None else self._step_fn(self, ids, offsets, new_mask)
 
     def _hooks(self):
         return self.capture.attached() if self.capture is not None else contextlib.nullcontext()
@@ -175,20 +181,31 @@ class CachedLM:
         return self.cache.lengths  # [batch]
 
     @torch.no_grad()
+    def verify(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+               new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode / verify step over ``n`` new tokens per row: logits ``[batch, n, vocab]``.
+
+        ids: [batch, n]. A chain (no ``offsets``): positions follow the rows' lengths, causal new
+        tokens. A tree: offsets [rows, n] (the root's 0, then the nodes' depths) and new_mask
+        [rows, n, n] (``Draft.offsets``, ``Draft.verify_mask``; rows 1 or batch). With graphs, one
+        CUDA graph per (width, tree rows) replays it, offsets and mask copied into its inputs.
+        """
+        self.cache.begin(ids.shape[1])
+        if self.graphs:
+            return self._replay(ids, offsets, new_mask)
+        logits, self.aux = self.step_body(ids, offsets, new_mask)
+        return logits
+
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 query_valid: torch.Tensor | None = None, new_mask: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         # ids: [batch, n]; positions: [batch, n] (default: lengths + 0..n-1)
         # logits_at: [m] sequence indices whose logits are wanted (default: all n); prefill asks
         # for the last prompt positions only, sparing a [batch, P, vocab] projection
-        B, n = ids.shape
-        self.cache.begin(n)
-        plain = positions is None and query_valid is None and new_mask is None and logits_at is None
-        if plain:  # the decode / verify step: positions follow the rows' lengths, causal new tokens
-            if self.graphs:
-                return self._replay(ids)
-            logits, self.aux = self.step_body(ids)
-            return logits
+        if positions is None and query_valid is None and new_mask is None and logits_at is None:
+            return self.verify(ids)
+        self.cache.begin(ids.shape[1])
         if self._prefill_graphed(ids, positions, query_valid, new_mask, logits_at):
             return self._replay_prefill(ids, query_valid, logits_at)
         logits, self.aux = self._prefill(ids, positions, query_valid, new_mask, logits_at)
@@ -245,15 +262,20 @@ class CachedLM:
         self.aux = aux
         return logits
 
-    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the plain step as a CUDA graph captured once per width n (static shapes and slots)."""
-        n = ids.shape[1]
-        entry = self._graphs.get(n)
+    def _replay(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the step as a CUDA graph captured once per width n (and, for trees, rows of the
+        offsets and mask): static shapes and slots, the inputs copied in."""
+        key = (ids.shape[1], 0 if offsets is None else offsets.shape[0])
+        entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(ids)
-            self._graphs[n] = entry
-        graph, s_ids, s_logits, s_aux = entry
+            entry = self._capture(ids, offsets, new_mask)
+            self._graphs[key] = entry
+        graph, s_ids, s_offsets, s_mask, s_logits, s_aux = entry
         s_ids.copy_(ids)
+        if offsets is not None:
+            s_offsets.copy_(offsets)
+            s_mask.copy_(new_mask)
         graph.replay()
         self.aux = s_aux
         return s_logits
@@ -267,11 +289,13 @@ class CachedLM:
         with graph_kernels(self.model, self.slot_attention if slots is None else slots):
             return capture_graph(fn, self.device, warmups=3, pool=self._mempool, after_each=after_each)
 
-    def _capture(self, ids: torch.Tensor) -> tuple:
+    def _capture(self, ids: torch.Tensor, offsets: torch.Tensor | None, new_mask: torch.Tensor | None) -> tuple:
         s_ids = ids.clone()
+        s_offsets = None if offsets is None else offsets.clone()
+        s_mask = None if new_mask is None else new_mask.clone()
         # warm-up (and compilation) writes only into reserved, not yet valid slots
-        graph, (logits, aux) = self._capture_fn(lambda: self.step_body(s_ids))
-        return graph, s_ids, logits, aux
+        graph, (logits, aux) = self._capture_fn(lambda: self.step_body(s_ids, s_offsets, s_mask))
+        return graph, s_ids, s_offsets, s_mask, logits, aux
 
     @torch.no_grad()
     def greedy_run(self, last: torch.Tensor, steps: int) -> torch.Tensor:

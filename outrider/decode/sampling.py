@@ -68,11 +68,10 @@ def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = u.to(cdf.dtype) * cdf[..., -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
     idx = idx.clamp_max(p.shape[-1] - 1)
-    # never return a zero-probability token (possible only through rounding at the edges)
+    # never return a zero-probability token (possible only through rounding at the edges); no host
+    # value is read, so a round's draws stay queued on the device
     bad = p.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
-    if bool(bad.any()):
-        idx = torch.where(bad, p.argmax(-1), idx)
-    return idx
+    return torch.where(bad, p.argmax(-1), idx)
 
 
 class RowRandom:

@@ -6,9 +6,11 @@ parents are ``i - 1``. A node attends to the prefix, the root, its ancestors and
 position is the root's plus its depth (children of the root have depth 1). The same mask serves
 the head and the target, GQA and MLA.
 
-- ``ancestors(parents)`` -> bool ``[batch, N, N]``: entry (i, j) is True when j is i or an
-  ancestor of i. ``depths(parents)`` -> ``[batch, N]``.
-- ``verify_mask(parents)`` -> bool ``[batch, 1 + N, 1 + N]`` over the root and the nodes.
+- ``ancestors(parents)`` -> bool ``[rows, N, N]`` (rows: 1 for a shared ``[N]`` index, else
+  batch): entry (i, j) is True when j is i or an ancestor of i, built by tensor operations alone
+  (no loop over nodes, no host value). ``depths(parents)`` -> ``[rows, N]``.
+- ``verify_mask(parents)`` (``mask_of(ancestors)``) -> bool ``[rows, 1 + N, 1 + N]`` over the root
+  and the nodes.
 - ``static_tree(paths)``: vLLM's ``speculative_token_tree`` (paths of child ranks from the root,
   every prefix present), ordered as vLLM orders them (by length, then lexicographic) -> a
   ``StaticTree`` (parents, child ranks, depth); anything else is a ``UserError``.
@@ -38,21 +40,24 @@ def as_rows(parents: torch.Tensor, batch: int) -> torch.Tensor:
     return parents.expand(batch, -1) if parents.dim() == 1 else parents
 
 
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """parents: [N] or [batch, N] -> bool [batch, N, N]: (i, j) True when j is i or an ancestor of i."""
+def ancestors(parents: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """parents: [N] or [batch, N] -> bool [1 or batch, N, N]: (i, j) True when j is i or an ancestor
+    of i. The transitive closure of "is the parent of" by repeated squaring: ceil(log2(depth))
+    boolean matrix products (``depth``: the greatest depth, default N), no loop over nodes and no
+    host value, so a round builds it once on the device (and a CUDA graph can record it)."""
     rows = parents if parents.dim() == 2 else parents[None]
-    B, N = rows.shape
-    anc = torch.zeros(B, N, N, dtype=torch.bool, device=rows.device)
-    eye = torch.eye(N, dtype=torch.bool, device=rows.device)
-    for i in range(N):  # parents precede children: row i copies its parent's row
-        par = rows[:, i]  # [batch]
-        above = anc[torch.arange(B, device=rows.device), par.clamp_min(0)]  # [batch, N]
-        anc[:, i] = eye[i] | (above & (par >= 0)[:, None])
+    N = rows.shape[1]
+    ar = torch.arange(N, device=rows.device)
+    anc = (rows[:, :, None] == ar) | (ar[:, None] == ar)  # [rows, N, N] its parent and itself
+    reach = 1  # anc now holds the ancestors up to this many generations up
+    while reach + 1 < (N if depth is None else depth):
+        anc = torch.bmm(anc.float(), anc.float()) > 0  # paths of up to twice as many generations
+        reach *= 2
     return anc
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
-    """parents: [N] or [batch, N] -> [batch, N] long, 1 for the root's children."""
+    """parents: [N] or [batch, N] -> [1 or batch, N] long, 1 for the root's children."""
     return ancestors(parents).sum(-1)
 
 
@@ -68,13 +73,15 @@ def is_chain(parents: torch.Tensor) -> bool:
 
 
 def verify_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents: [N] or [batch, N] -> bool [batch, 1 + N, 1 + N]: which of root + nodes each of root +
-    nodes may see (the root itself; a node the root, its ancestors and itself)."""
-    anc = ancestors(parents)  # [batch, N, N]
-    B, N, _ = anc.shape
-    mask = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=anc.device)
+    """parents: [N] or [batch, N] -> bool [1 or batch, 1 + N, 1 + N]: which of root + nodes each of
+    root + nodes may see (the root itself; a node the root, its ancestors and itself)."""
+    return mask_of(ancestors(parents))
+
+
+def mask_of(anc: torch.Tensor) -> torch.Tensor:
+    """An ancestry table [rows, N, N] -> the verify mask [rows, 1 + N, 1 + N] over root + nodes."""
+    mask = torch.nn.functional.pad(anc, (1, 0, 1, 0), value=False)
     mask[:, :, 0] = True
-    mask[:, 1:, 1:] = anc
     return mask
 
 
@@ -201,7 +208,4 @@ def select_nodes(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tens
     kept = order.sort(dim=1).values  # [batch, n] candidate order: parents before children
     par = parents.gather(1, kept)  # [batch, n] candidate index of the parent
     pos = torch.searchsorted(kept, par.clamp_min(0))  # [batch, n] its place among the kept
-    found = kept.gather(1, pos.clamp_max(n - 1)) == par
-    if bool(((par >= 0) & ~found).any()):
-        raise ValueError("EAGLE-2 selection kept a node without its parent (scores not monotone)")
     return tokens.gather(1, kept), torch.where(par >= 0, pos, -1)

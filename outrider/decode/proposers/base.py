@@ -1,8 +1,8 @@
 """The proposer protocol that ``SpecEngine`` drives.
 
 Contract: the engine calls ``start(ctx)`` once after the target's prefill, then per step
-``propose(k) -> Draft`` (a chain of k tokens per row, possibly fewer real ones; a proposer with a
-``tree`` drafts trees of its own shape) and, after verification,
+``propose(k) -> Draft`` (``decode.draft``: a chain of k tokens per row, possibly fewer real ones;
+a proposer with a ``tree`` drafts trees of its own shape) and, after verification,
 ``observe(outcome)``. A proposer never sees the target's logits of future positions, and it
 never changes what the verifier emits: it only proposes. Probabilities ``q`` are returned when
 the proposer sampled from a distribution; a deterministic proposer returns ``q=None`` and is
@@ -11,45 +11,13 @@ verified as a point mass.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from outrider.ops.graphs import CompileOptions
+from outrider.decode.draft import Draft
 from outrider.decode.sampling import SamplingParams
-
-
-@functools.cache
-def _chain_parents(n: int) -> torch.Tensor:
-    return torch.arange(-1, n - 1)  # [n] on the host; shared: never written
-
-
-@dataclass
-class Draft:
-    """A draft tree per row: node i's token is ``tokens[:, i]``, its parent ``parents[i]`` (-1: the
-    root, the last committed token; parents precede children). A chain of k is the tree whose
-    parents are i-1 (``Draft.chain``); EAGLE-2 trees choose their shape per row (``parents``
-    ``[batch, N]``). ``depth`` is the tree's greatest depth (a chain's: k)."""
-
-    tokens: torch.Tensor  # [batch, N] long; nodes >= num[b] are padding
-    parents: torch.Tensor  # [N] long on the host, or [batch, N] on the device: each node's parent, -1 the root
-    num: torch.Tensor  # [batch] long, real nodes per row
-    q: torch.Tensor | None = None  # [batch, N, vocab] draft probabilities, or None (point mass)
-    depth: int | None = None  # the greatest depth of a node (None: a chain, N)
-
-    @classmethod
-    def chain(cls, tokens: torch.Tensor, num: torch.Tensor, q: torch.Tensor | None = None) -> "Draft":
-        """tokens: [batch, k]; num: [batch]; q: [batch, k, vocab] or None."""
-        return cls(tokens, _chain_parents(tokens.shape[1]), num, q)
-
-    def is_chain(self) -> bool:
-        return self.parents.dim() == 1 and torch.equal(self.parents, _chain_parents(self.tokens.shape[1]))
-
-    @property
-    def levels(self) -> int:
-        """The greatest depth of a node: the most tokens a round can accept."""
-        return self.tokens.shape[1] if self.depth is None else self.depth
+from outrider.ops.graphs import CompileOptions
 
 
 @dataclass
@@ -69,9 +37,10 @@ class StartContext:
 class Outcome:
     draft: Draft
     num_accepted: torch.Tensor  # [batch]
-    tokens: torch.Tensor  # [batch, k+1]; row b emitted tokens[b, :num_accepted[b]+1]
+    tokens: torch.Tensor  # [batch, D+1]; row b emitted tokens[b, :num_accepted[b]+1] (a chain: D = k)
     active: torch.Tensor  # [batch] bool, rows still generating after this step (during it, for device_side)
-    target_aux: torch.Tensor | None = None  # [batch, k+1, n_aux*hidden] aux at the verify inputs
+    # [batch, D+1, n_aux*hidden] aux at the root and the accepted path's nodes (past its end: the root's)
+    target_aux: torch.Tensor | None = None
 
 
 class Proposer:

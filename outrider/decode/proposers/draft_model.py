@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Outcome, Proposer, StartContext
 from outrider.decode.runner import CachedLM
 from outrider.decode.sampling import RowRandom, probs, sample
 

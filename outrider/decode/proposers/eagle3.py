@@ -32,7 +32,8 @@ import torch
 
 from outrider.ops.graphs import capture_graph, compiled
 from outrider.ops.tree import StaticTree, TreeBudget
-from outrider.decode.proposers.base import Draft, Outcome, Proposer, StartContext
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Outcome, Proposer, StartContext
 from outrider.decode.proposers.tree_draft import TreeDrafter, tree_slots
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
@@ -102,6 +103,7 @@ class Eagle3Proposer(Proposer):
         self._fused: dict[str, tuple] = {}  # backend -> compiled (step, greedy draw, alignment, greedy link)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
+        self._static_shape: Draft | None = None  # a static tree's structure on the device (parents, ancestry)
 
     @classmethod
     def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeBudget | StaticTree | None = None,
@@ -287,9 +289,16 @@ class Eagle3Proposer(Proposer):
         prompt, self._prompt_pending = self._prompt_pending, False
         h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
         drafter = TreeDrafter(self.head, self.embedding, self.cache, self.tree)
-        tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N] each
+        tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N], [N] or [batch, N]
         nodes, levels = self.round_shape(0)
-        return Draft(tokens, parents, torch.full((nxt.shape[0],), nodes, device=self.dev), None, depth=levels)
+        num = torch.full((nxt.shape[0],), nodes, device=self.dev)
+        if isinstance(self.tree, StaticTree):  # one shape for every row: its ancestry computed once per request
+            if self._static_shape is None or self._static_shape.tokens.device != self.dev:
+                self._static_shape = Draft(tokens, parents, num, depth=levels, width=self.tree.shape()[0])
+            shape = self._static_shape
+            return Draft(tokens, shape.parents, num, depth=levels, width=shape.width, ancestors=shape.ancestors,
+                         depths=shape.depths)
+        return Draft(tokens, parents, num, None, depth=levels, width=self.tree.topk)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from outrider.decode.proposers.base import Draft, Proposer
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Proposer
 from outrider.errors import require
 
 

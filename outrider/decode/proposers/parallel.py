@@ -22,7 +22,8 @@ import dataclasses
 
 import torch
 
-from outrider.decode.proposers.base import Draft, StartContext
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.sampling import probs, sample
 

@@ -14,14 +14,17 @@ ancestors and itself, at position ``root_pos + depth``.
   level scores topk^2 children of the expanded nodes and expands the ``topk`` best; finally the
   ``draft_tokens - 1`` best candidates of all levels are kept (``outrider.ops.tree.select_nodes``).
 - Static (``StaticTree``): a node of rank r is its parent's r-th likeliest draft token; every
-  node with children is fed once.
+  node with children is fed once, one head forward per level (the level's indices built once per
+  tree and device: ``static_levels``; no loop over nodes in a round).
 Drafted nodes are deterministic (top-k), so verification treats them as point masses.
 
-Not done here: CUDA graphs of tree rounds, sampled (non-top-k) children.
+Nothing in a round reads a value back to the host. Not done here: CUDA graphs of the drafting
+levels (the shapes are static per tree; the capture is the proposer's), sampled (non-top-k) children.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -66,7 +69,8 @@ class TreeDrafter:
 
     @torch.no_grad()
     def draft(self, h_root: torch.Tensor, root_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h_root: [batch, 1, H]; root_pos: [batch] -> (tokens [batch, N], parents [batch, N])."""
+        """h_root: [batch, 1, H]; root_pos: [batch] -> (tokens [batch, N], parents: [batch, N] for a
+        dynamic tree, the static tree's [N] on the host)."""
         if isinstance(self.spec, TreeBudget):
             return self._dynamic(h_root, root_pos, self.spec)
         return self._static(h_root, root_pos, self.spec)
@@ -109,27 +113,38 @@ class TreeDrafter:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         B, dev, N = h_root.shape[0], h_root.device, tree.size
         S = self.cache.keys.shape[2]
-        parents = torch.tensor(tree.parents, device=dev)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-        hidden = {-1: h_root[:, 0]}  # node -> [batch, H] its hidden_out (the root's: h_root)
-        sees = {-1: torch.zeros(B, S, dtype=torch.bool, device=dev)}
-        for depth in range(1, tree.depth + 1):
-            level = tree.level(depth)
-            heads = sorted({tree.parents[i] for i in level})  # the nodes whose children this level holds
-            probs = torch.stack([self._probs(hidden[u][:, None])[:, 0] for u in heads], 1)  # [batch, U, vocab]
-            most = max(tree.ranks[i] for i in level) + 1
-            top = self.head.map_to_target(probs.topk(most, dim=-1).indices)  # [batch, U, most]
-            for i in level:
-                tokens[:, i] = top[:, heads.index(tree.parents[i]), tree.ranks[i]]
-            feed = [i for i in level if i in set(tree.parents)]  # nodes with children: one forward for the level
-            if not feed:
+        hidden = h_root.new_zeros(B, 1 + N, h_root.shape[-1])  # [batch, 1 + N, H] hidden_out, root first
+        hidden[:, 0] = h_root[:, 0]
+        sees = torch.zeros(B, 1 + N, S, dtype=torch.bool, device=dev)  # [batch, 1 + N, slots] tree slots seen
+        for depth, (nodes, heads, head_of, ranks, most, feed, fed_by) in enumerate(static_levels(tree, dev), 1):
+            top = self._probs(hidden[:, heads]).topk(most, dim=-1).indices  # [batch, U, most]
+            tokens[:, nodes] = self.head.map_to_target(top[:, head_of, ranks])  # [batch, L]
+            if feed is None:
                 continue
-            idx = torch.tensor(feed, device=dev)
-            slots = (self.cache.tree_base + idx).expand(B, -1)  # [batch, M]
-            seen = torch.stack([sees[tree.parents[i]] for i in feed], 1).clone()  # [batch, M, slots]
+            slots = (self.cache.tree_base + feed).expand(B, -1)  # [batch, M]
+            seen = sees[:, fed_by]  # [batch, M, slots] (a copy: advanced indexing)
             seen.scatter_(2, slots[:, :, None], True)
-            h_in = torch.stack([hidden[tree.parents[i]] for i in feed], 1)  # [batch, M, H]
-            h = self._feed(tokens[:, idx], h_in, depth, root_pos, slots, seen)
-            for j, i in enumerate(feed):
-                hidden[i], sees[i] = h[:, j], seen[:, j]
-        return tokens, parents.expand(B, N)
+            hidden[:, feed + 1] = self._feed(tokens[:, feed], hidden[:, fed_by], depth, root_pos, slots, seen)
+            sees[:, feed + 1] = seen
+        return tokens, torch.tensor(tree.parents)
+
+
+@functools.cache
+def static_levels(tree: StaticTree, device: torch.device) -> tuple[tuple, ...]:
+    """A static tree's levels as device indices, built once per tree and device: per depth (nodes
+    [L], the positions whose draws they are (root 0, node i at i + 1) [U], each node's place among
+    those [L], its rank [L], the most ranks drawn, the nodes with children [M] or None, and the
+    positions those were drawn from [M])."""
+    levels = []
+    for depth in range(1, tree.depth + 1):
+        nodes = tree.level(depth)
+        heads = sorted({tree.parents[i] + 1 for i in nodes})
+        feed = [i for i in nodes if i in set(tree.parents)]
+        levels.append((
+            torch.tensor(nodes, device=device), torch.tensor(heads, device=device),
+            torch.tensor([heads.index(tree.parents[i] + 1) for i in nodes], device=device),
+            torch.tensor([tree.ranks[i] for i in nodes], device=device), max(tree.ranks[i] for i in nodes) + 1,
+            torch.tensor(feed, device=device) if feed else None,
+            torch.tensor([tree.parents[i] + 1 for i in feed], device=device) if feed else None))
+    return tuple(levels)

@@ -6,11 +6,12 @@ them on the CPU in float32):
 
 - ``GreedyChunks`` (plain greedy decoding): several target steps back to back on the device, each
   feeding its own argmax to the next, EOS checked once per chunk (``ar_chunks``);
-- ``PipelinedStep`` (a ``device_side`` proposer over a static cache): the next draft is launched
-  behind the verification, before the host reads its outcome (``pipelined``);
-- ``RoundChunks`` (greedy, a ``device_rounds`` proposer): after one pipelined step, whole rounds
-  (verify, accept, commit, draft) on the device, several per synchronisation (``rounds``);
-- otherwise (draft trees among them) the reference step itself.
+- ``PipelinedStep`` (a ``device_side`` proposer over a static cache, chains or trees): the next
+  draft is launched behind the verification, before the host reads its outcome (``pipelined``);
+- ``RoundChunks`` (greedy chains, a ``device_rounds`` proposer): after one pipelined step, whole
+  rounds (verify, accept, commit, draft) on the device, several per synchronisation (``rounds``);
+- otherwise the reference step itself.
+All of them verify, commit and observe through ``decode.round``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def choose(engine: Any, target: CachedLM) -> Callable[[RequestState], None]:
     if engine.proposer is None and engine.sampling.greedy:
         return GreedyChunks(target, engine.AR_CHUNK)
     proposer = engine.proposer
-    if proposer is None or proposer.tree is not None or not (target.cache.static and proposer.device_side):
+    if proposer is None or not (target.cache.static and proposer.device_side):
         return lambda state: engine.step(state, target)
     first = PipelinedStep(engine, target)
     if engine.rounds_apply():

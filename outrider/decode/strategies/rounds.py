@@ -5,7 +5,8 @@ cache (``read_len="max"``: slot arithmetic on the device) and a ``device_side`` 
 ``propose_device(k)`` (plain device operations, no graph replay of its own). One *round* is
 
     verify   the target's forward over [last, d_1..d_k] in slots ptr..ptr+k, greedy acceptance
-             (``verify_greedy``), rows not ``active`` accept nothing and emit nothing;
+             (``verify.accept_greedy``, the reference step's rule), rows not ``active`` accept
+             nothing and emit nothing;
     commit   the accepted slots become valid, the rows' lengths grow, ptr advances on the device
              past the last slot any row keeps (1 + the most accepted drafts): the next round's
              verification overwrites the rejected slots after it (at batch 1 a round takes as
@@ -44,37 +45,40 @@ from outrider.ops.graphs import (
     compiled,
     graph_kernels,
 )
-from outrider.decode.proposers.base import Draft, Outcome, Proposer
+from outrider.decode.draft import Draft
+from outrider.decode.proposers.base import Proposer
+from outrider.decode.round import Round, accepted_of, keep_of, observe, record_of
 from outrider.decode.runner import CachedLM
 from outrider.decode.state import RequestState
-from outrider.decode.verify import verify_greedy
+from outrider.decode.verify import VerifyResult, accept_greedy
 
 
-def accept_round(logits: torch.Tensor, draft: torch.Tensor, active: torch.Tensor, positions: torch.Tensor,
-                  slots: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, ptr: torch.Tensor,
-                  records: torch.Tensor, counter: torch.Tensor, last: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy acceptance of one round and its commit, in place: (num, n_acc, tokens).
+def accept_round(logits: torch.Tensor, draft: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
+                 depths: torch.Tensor, active: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
+                 lengths: torch.Tensor, ptr: torch.Tensor, records: torch.Tensor, counter: torch.Tensor,
+                 last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Greedy acceptance of one round and its commit, in place: (num, accepted, tokens, path).
 
-    logits [batch, k+1, vocab] the verification's; draft [batch, k]; active [batch] bool;
-    positions [k+1] = 0..k; slots [k+1] the round's cache slots; valid [batch, max_len], lengths
-    [batch], ptr [1]: the slot cache's state; records [batch, R, 2 + k+1] and counter [1]: the
-    round records; last [batch] the next round's first token. One function so that a compiled
-    target step gets a compiled acceptance too (a dozen small kernels fused into a few).
+    logits [batch, k+1, vocab] the verification's; draft [batch, k]; parents [k], anc [1, k, k],
+    depths [1, k]: the chain's structure (``Draft.chain``); active [batch] bool; slots [k+1] the
+    round's cache slots; valid [batch, max_len], lengths [batch], ptr [1]: the slot cache's state;
+    records [batch, R, 2 + k+1] and counter [1]: the round records; last [batch] the next round's
+    first token. The acceptance, kept slots and record are the reference step's (``verify``,
+    ``round``); one function so that a compiled target step gets a compiled acceptance too (a
+    dozen small kernels fused into a few).
     """
     k = draft.shape[1]
     num = torch.where(active, k, 0)  # [batch] long: drafted tokens that count
-    res = verify_greedy(draft, num, logits)
-    n_acc = torch.where(active, res.num_accepted, 0)  # [batch]
-    keep = (positions[None, :] <= n_acc[:, None]) & active[:, None]  # [batch, k+1]
+    res = accept_greedy(draft, parents, anc, depths, num, logits, k)
+    n_acc = accepted_of(res, active)  # [batch]
+    keep = keep_of(res, k, active)  # [batch, k+1]
     valid.index_copy_(1, slots, keep)
     lengths.add_(keep.sum(dim=1))
     ptr.add_(n_acc.max() + 1)  # reuse the slots no row kept
-    record = torch.cat([n_acc[:, None], num[:, None], res.tokens], dim=1)  # [batch, 2 + k+1]
-    records.index_copy_(1, counter, record[:, None])
+    records.index_copy_(1, counter, record_of(n_acc, num, res.tokens)[:, None])
     counter.add_(1)
     last.copy_(res.tokens.gather(1, n_acc[:, None])[:, 0])
-    return num, n_acc, res.tokens
+    return num, res.num_accepted, res.tokens, res.path
 
 
 @functools.cache
@@ -92,10 +96,10 @@ class DeviceRounds:
         self.graphs = graphs and dev.type == "cuda"
         self.last = torch.zeros(batch, dtype=torch.long, device=dev)  # [batch] the token each row feeds first
         self.draft = torch.zeros(batch, k, dtype=torch.long, device=dev)  # [batch, k] the round's draft
+        self.shape = Draft.chain(self.draft, torch.full((batch,), k, device=dev))  # its tree structure
         self.active = torch.ones(batch, dtype=torch.bool, device=dev)  # [batch] rows still generating
         self.records = torch.zeros(batch, max_rounds, k + 3, dtype=torch.long, device=dev)  # [batch, R, 2+k+1]
         self.counter = torch.zeros(1, dtype=torch.long, device=dev)  # next record index
-        self._positions = torch.arange(k + 1, device=dev)  # [k+1]
         self._graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # verify, draft
         # the acceptance and commit, fused by torch.compile when the target's step is compiled
         options = target.compile_options
@@ -112,19 +116,23 @@ class DeviceRounds:
         self.active.copy_(active)
 
     def _verify(self) -> tuple[torch.Tensor, ...]:
-        """Verify, commit and record one round: (num, n_acc, tokens, aux) for ``_draft``."""
+        """Verify, commit and record one round: (num, accepted, tokens, path, aux) for ``_draft``."""
         cache, k = self.target.cache, self.k
         slots = cache.write_slots  # the persistent width-(k+1) slot buffer of begin(k+1)
         torch.add(cache.arange[:k + 1], cache.ptr_dev, out=slots)
         ids = torch.cat([self.last[:, None], self.draft], dim=1)  # [batch, k+1]
         logits, aux = self.target.step_body(ids)  # [batch, k+1, vocab], [batch, k+1, n_aux * H]
-        num, n_acc, tokens = self._accept(logits, self.draft, self.active, self._positions, slots, cache.valid,
-                                          cache.lengths, cache.ptr_dev, self.records, self.counter, self.last)
-        return num, n_acc, tokens, aux
+        shape = self.shape
+        num, n_acc, tokens, path = self._accept(logits, self.draft, shape.parents, shape.ancestors, shape.depths,
+                                                self.active, slots, cache.valid, cache.lengths, cache.ptr_dev,
+                                                self.records, self.counter, self.last)
+        return num, n_acc, tokens, path, aux
 
-    def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> None:
-        """Feed the round's outcome to the proposer and draft the next round."""
-        self.proposer.observe(Outcome(Draft.chain(self.draft, num), n_acc, tokens, self.active, aux))
+    def _draft(self, num: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor,
+               aux: torch.Tensor) -> None:
+        """Feed the round's outcome to the proposer (``round.observe``) and draft the next round."""
+        done = Round(Draft.chain(self.draft, num), VerifyResult(n_acc, tokens, path), self.active)
+        observe(self.proposer, done, aux, self.active)
         self.draft.copy_(self.proposer.propose_device(self.k))
 
     def _state(self) -> Sequence[torch.Tensor]:
