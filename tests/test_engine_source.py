@@ -141,5 +141,6 @@ def test_flags_that_need_the_engine_or_a_storage_folder(setup, tmp_path, capsys)
     assert main(["capture", str(target), "--data", str(data), "--out", str(tmp_path / "c"), "--engine", "vllm",
                  "--aux-layers", "1,2,3", "--print-command"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"vllm serve {target} --speculative-config") and "[1, 2, 3, 4]" in printed
+    assert f"vllm serve {target} --speculative-config" in printed and "[1, 2, 3, 4]" in printed
+    assert printed.startswith("PYTHONPATH=") and "SyncHiddenStatesConnector" in printed  # no CUDA here
     assert not (tmp_path / "c").exists()  # printing the command writes nothing

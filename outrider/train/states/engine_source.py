@@ -79,13 +79,15 @@ class EngineSource:
 
     def __init__(self, target: str, aux_layer_ids: Sequence[int], server: str | None, storage: str | Path,
                  num_layers: int, hidden_size: int, process: ServerProcess | None = None, timeout: float = 120.0,
-                 concurrency: int = 4, pass_tokens: int = 16384, model: str | None = None, retries: int = 5):
+                 concurrency: int = 4, pass_tokens: int = 16384, model: str | None = None, retries: int = 5,
+                 own_storage: bool = False):
         self.aux_layer_ids = tuple(int(j) for j in aux_layer_ids)
         self.hidden_size = int(hidden_size)
         self.pass_tokens = int(pass_tokens)
         self.target, self.server, self.storage = target, server, Path(storage)
         self.num_layers, self.process, self.timeout = int(num_layers), process, float(timeout)
         self.concurrency, self.model, self.retries = int(concurrency), model, int(retries)
+        self.own_storage = own_storage  # a temporary folder made for a server started here: removed on exit
         self.client: ChatClient | None = None
         self.norm: torch.nn.Module | None = None
         self.pool: ThreadPoolExecutor | None = None
@@ -114,6 +116,10 @@ class EngineSource:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.process is not None:
             self.process.stop()
+        if self.own_storage:
+            import shutil
+
+            shutil.rmtree(self.storage, ignore_errors=True)
 
     def states(self, input_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.pool is not None, "enter the source first"
@@ -191,7 +197,7 @@ def vllm_source(target: str, aux_layer_ids: Sequence[int] | None, server: str | 
 
     info = arch_info(load_config_dict(target))
     ids = sorted(int(j) for j in (aux_layer_ids if aux_layer_ids is not None else info.default_aux_layer_ids()))
-    process = None
+    process, own = None, False
     if server is not None:
         if storage is None:
             raise UserError("--engine vllm --server URL needs --engine-storage DIR: the folder that server's connector "
@@ -203,6 +209,7 @@ def vllm_source(target: str, aux_layer_ids: Sequence[int] | None, server: str | 
         if exe is None:
             raise UserError("no `vllm` command on PATH: install vLLM here, or start it yourself with the command "
                             "`outrider capture ... --engine vllm --print-command` prints and pass --server")
+        own = storage is None
         storage = storage or tempfile.mkdtemp(prefix="outrider-engine-")
         cpu = not torch.cuda.is_available()
         env = dict(os.environ)
@@ -214,16 +221,20 @@ def vllm_source(target: str, aux_layer_ids: Sequence[int] | None, server: str | 
         process = ServerProcess(argv, env=env, log=Path(storage) / "vllm.log")
     Path(storage).mkdir(parents=True, exist_ok=True)
     return EngineSource(target, ids, server, storage, info.num_layers, info.hidden_size, process=process,
-                        concurrency=concurrency, timeout=timeout)
+                        concurrency=concurrency, timeout=timeout, own_storage=own)
 
 
 def print_command(target: str, aux_layer_ids: Sequence[int] | None, storage: str | None) -> str:
-    """The ``vllm serve`` line to start by hand for ``--engine vllm --server`` (GPU connector)."""
+    """The ``vllm serve`` line to start by hand for ``--engine vllm --server``: vLLM's own connector
+    where this machine has CUDA, else outrider's (the server then imports it from this tree)."""
     import shlex
 
-    from outrider.models import arch_info, load_config_dict
+    from outrider.models import arch_info, load_config_dict, resolve
 
     info = arch_info(load_config_dict(target))
     ids = sorted(int(j) for j in (aux_layer_ids if aux_layer_ids is not None else info.default_aux_layer_ids()))
-    args = extraction_args(target, ids, info.num_layers, storage or "/path/to/engine-states")
-    return " ".join(["vllm", "serve", shlex.quote(str(target)), *map(shlex.quote, args)])
+    cpu = not torch.cuda.is_available()
+    path = str(resolve(target))
+    args = extraction_args(path, ids, info.num_layers, storage or "/path/to/engine-states", cpu=cpu)
+    line = ["vllm", "serve", shlex.quote(path), *map(shlex.quote, args), *(["--enforce-eager"] if cpu else [])]
+    return " ".join(([f"PYTHONPATH={shlex.quote(outrider_root())}"] if cpu else []) + line)
