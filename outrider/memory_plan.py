@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from outrider.models import ArchInfo
 
 GB = 1e9
-RESERVE = 0.03  # share of the budget kept free: allocator rounding, fragmentation, cuBLAS/kernel workspaces
+RESERVE = 0.06  # share of the budget kept free: allocator rounding, fragmentation, cuBLAS/kernel workspaces
 
 
 @dataclass(frozen=True)

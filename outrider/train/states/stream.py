@@ -44,6 +44,7 @@ rows), generation and KV caches, several devices, sliding-window or hybrid-atten
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,6 +347,10 @@ class StreamedTarget:
         self._pinned = _PinnedPool()
         self._fraction_set = False
         self._done: torch.cuda.Event | None = None  # the previous unit's kernels, all queued
+        if cuda and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            # freed chunks of many sizes: without growable segments the cache fragments past the plan's reserve
+            # (RESULTS.md, layer-streamed capture: the out-of-memory of 2026-12-06)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         if cuda and gpu_memory is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
