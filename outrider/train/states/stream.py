@@ -350,7 +350,8 @@ class StreamedTarget:
         if cuda and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             # freed chunks of many sizes: without growable segments the cache fragments past the plan's reserve
             # (RESULTS.md, layer-streamed capture: the out-of-memory of 2026-12-06)
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10; older: cuda's
+            (setting or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
         if cuda and gpu_memory is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
