@@ -1,6 +1,7 @@
 """The engine capture's faults against a stand-in server (no vLLM needed): a connector file that holds
 other tokens, is cut short, never appears, or a reply without its path: one line, exit 2, the
-finished shards kept, and a rerun resumes; the engine's files are deleted as they are read."""
+finished shards kept, and a rerun resumes (a full disk on our side too); the engine's files are
+deleted as they are read."""
 
 from __future__ import annotations
 
@@ -144,3 +145,31 @@ def test_flags_that_need_the_engine_or_a_storage_folder(setup, tmp_path, capsys)
     assert f"vllm serve {target} --speculative-config" in printed and "[1, 2, 3, 4]" in printed
     assert printed.startswith("PYTHONPATH=") and "SyncHiddenStatesConnector" in printed  # no CUDA here
     assert not (tmp_path / "c").exists()  # printing the command writes nothing
+
+
+def test_a_full_disk_keeps_the_finished_shards_and_the_rerun_resumes(setup, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from outrider.train.states import cache as cache_mod
+
+    write, calls = cache_mod._write_file, []
+
+    def full(path, blob):
+        calls.append(path)
+        if len(calls) == 2:  # the second shard's file: half written, then the disk is full
+            with open(path, "wb") as f:
+                f.write(blob[: len(blob) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, blob)
+
+    storage, out = tmp_path / "hs", tmp_path / "cache"
+    storage.mkdir()
+    monkeypatch.setattr(cache_mod, "_write_file", full)
+    with FakeExtractor(storage) as fake:
+        assert _capture(setup, fake.url, storage, out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "disk is full" in err[0], err
+        monkeypatch.setattr(cache_mod, "_write_file", write)
+        assert _capture(setup, fake.url, storage, out) == 0
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+    assert not [p for p in storage.iterdir() if ".safetensors" in p.name]
