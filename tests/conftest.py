@@ -67,3 +67,14 @@ def default_model():
     from outrider.models import load_model
 
     return load_model("default", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    """The engine tier's vLLM (its CPU build's venv, ``engine_env``); skipped with the installer's line."""
+    import engine_env
+
+    try:
+        return engine_env.vllm_env()
+    except engine_env.EngineUnavailable as e:
+        pytest.skip(f"vLLM {engine_env.VLLM_VERSION} (CPU build) cannot be installed here: {e}")

@@ -33,14 +33,6 @@ pytestmark = pytest.mark.engine
 AUX = (2, 4, 5)
 
 
-@pytest.fixture(scope="module")
-def vllm():
-    try:
-        return engine_env.vllm_env()
-    except engine_env.EngineUnavailable as e:
-        pytest.skip(f"vLLM {engine_env.VLLM_VERSION} (CPU build) cannot be installed here: {e}")
-
-
 def _capture_ours(target: str, data: Path, out: Path) -> float:
     """Our in-memory capture (float32); its tokens/s."""
     t0 = time.perf_counter()

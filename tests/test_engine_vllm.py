@@ -38,14 +38,6 @@ CPU_REFUSALS = (r"not supported on (the )?CPU", r"CPU backend does not support",
 
 
 @pytest.fixture(scope="session")
-def vllm():
-    try:
-        return engine_env.vllm_env()
-    except engine_env.EngineUnavailable as e:
-        pytest.skip(f"vLLM {engine_env.VLLM_VERSION} (CPU build) cannot be installed here: {e}")
-
-
-@pytest.fixture(scope="session")
 def kept(tmp_path_factory) -> Path:
     out = os.environ.get("OUTRIDER_ENGINE_OUT")
     path = Path(out) if out else tmp_path_factory.mktemp("engine_out")
