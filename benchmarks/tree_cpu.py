@@ -22,7 +22,7 @@ from outrider.bench.local import build_proposer, load_prompts
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import write_json_output
 from outrider.models import load_model
-from outrider.ops.tree import TreeBudget
+from outrider.trees import TreeBudget
 from outrider.provenance import git_commit, today
 
 CHAINS = (3, 5, 7)

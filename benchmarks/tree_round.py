@@ -26,7 +26,7 @@ from outrider.decode.proposers import PROPOSERS
 from outrider.fsutil import write_json_output
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import load_model
-from outrider.ops.tree import TreeBudget
+from outrider.trees import TreeBudget
 from outrider.provenance import git_commit, today
 
 TREES = ((1, 3, 4), (1, 5, 6), (2, 3, 8), (4, 2, 8), (4, 3, 16), (4, 4, 16))

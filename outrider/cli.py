@@ -40,7 +40,6 @@ from outrider.cliargs import (
     stderr_line,
     stream_options,
     train_options,
-    tree_option,
     user_os_error,
 )
 from outrider.decode.proposers import PROPOSERS
@@ -92,7 +91,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UserError("empty prompt: give some text with --prompt")
     model, tok = load_model(a.target, device=a.device, dtype=a.dtype)
     proposer = build_proposer(a.method, model, tok, a.draft, device=next(model.parameters()).device,
-                              dtype=next(model.parameters()).dtype, tree=tree_option(a))
+                              dtype=next(model.parameters()).dtype, tree=a.tree_spec)
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     engine = SpecEngine(model, proposer, k=a.k, sampling=sampling, eos_ids=eos_token_ids(model, tok))
     ids = render_prompt(tok, a.prompt, 1 << 30) if not a.raw else tok(a.prompt)["input_ids"]
@@ -123,7 +122,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      dtype=a.dtype, json_path=a.json, console=_console(a.json),
                      log=None if a.quiet else lambda line: print(line, file=sys.stderr))
         return 0
-    bench(a.target, a.method, draft=a.draft, k=a.k, tree=tree_option(a), num_prompts=a.num_prompts,
+    bench(a.target, a.method, draft=a.draft, k=a.k, tree=a.tree_spec, num_prompts=a.num_prompts,
           max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),

@@ -203,9 +203,9 @@ def draft_kind(path: str) -> str | None:
 
 
 def tree_option(a: argparse.Namespace):
-    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``ops.tree`` TreeBudget or
+    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``outrider.trees`` TreeBudget or
     StaticTree (checked), or None for chains."""
-    from outrider.ops.tree import TreeBudget, static_tree
+    from outrider.trees import TreeBudget, static_tree
 
     tree, paths = getattr(a, "tree", None), getattr(a, "tree_paths", None)
     if tree is None and paths is None:
@@ -227,9 +227,9 @@ def tree_option(a: argparse.Namespace):
 
 def export_launch(a: argparse.Namespace) -> tuple[int, Any]:
     """``export``'s launch settings: (k, tree) from ``--bench F`` (the EAGLE-3 record of the best
-    end-to-end speedup: its chain's k or its tree), else ``--num-speculative-tokens`` and
-    ``--tree``/``--tree-paths``."""
-    from outrider.ops.tree import TreeBudget, static_tree
+    end-to-end speedup: its chain's k or its tree; a topk-1 budget is its chain), else
+    ``--num-speculative-tokens`` and ``--tree``/``--tree-paths``."""
+    from outrider.trees import TreeBudget, tree_of
 
     tree = tree_option(a)
     if a.bench is None:
@@ -248,19 +248,12 @@ def export_launch(a: argparse.Namespace) -> tuple[int, Any]:
     if not ok:
         raise UserError(f"--bench {a.bench}: no eagle3 bench record (method, k, speedup_vs_ar)")
     best = max(ok, key=lambda r: (r["speedup_vs_ar"], r.get("tau", 0)))
-    where = f"--bench {a.bench}"
-    if "tree_paths" in best:
-        return best["k"], static_tree(best["tree_paths"], where=where)
-    if best.get("topk", 1) != 1:
-        try:
-            return best["k"], TreeBudget(best["topk"], best["steps"], best["draft_tokens"])
-        except (KeyError, UserError) as e:
-            raise UserError(f"{where}: the best record's tree is not a valid budget ({e})") from None
-    return best["k"], None
+    tree = tree_of(best, f"--bench {a.bench}: the best record")
+    return best["k"], None if isinstance(tree, TreeBudget) and tree.is_chain else tree
 
 
 def _check_decoding(a: argparse.Namespace) -> None:
-    tree_option(a)
+    a.tree_spec = tree_option(a)  # parsed once: the verb reads ``tree_spec``
     if a.method == "ar":
         return
     if a.k > a.max_new_tokens:

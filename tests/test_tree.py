@@ -12,8 +12,8 @@ from outrider.decode.draft import Draft
 from outrider.decode.sampling import sample
 from outrider.decode.verify import verify_greedy, verify_sampling
 from outrider.errors import UserError
-from outrider.ops.tree import (TreeBudget, ancestors, chain_parents, depths, is_chain, select_nodes, static_tree,
-                               verify_mask)
+from outrider.ops.tree import ancestors, chain_parents, depths, is_chain, select_nodes, verify_mask
+from outrider.trees import TreeBudget, static_tree
 
 #        root
 #       /    \
@@ -45,7 +45,7 @@ def test_a_chain_is_the_tree_whose_parents_are_i_minus_1():
 def test_static_tree_follows_vllm_order_and_refuses_non_trees():
     t = static_tree("[(1,), (0, 0), (0,), (0, 1), (1, 0)]")
     assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
-    assert t.parents == (-1, -1, 0, 0, 1) and t.ranks == (0, 1, 0, 1, 0) and t.depth == 2
+    assert t.parents == (-1, -1, 0, 0, 1) and t.ranks == (0, 1, 0, 1, 0) and t.steps == 2 and t.nodes == 5
     assert t.shape() == (2, 2, 6)  # SGLang terms: widest node, depth, nodes + 1
     assert static_tree(t.to_text()) == t
     for bad, says in [("[(0, 0)]", "no parent"), ("[(0,), (0,)]", "twice"), ("[(1,)]", "skips the rank"),

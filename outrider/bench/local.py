@@ -45,9 +45,9 @@ from outrider.errors import UserError, require
 from outrider.fsutil import os_error_line, read_text, write_json_output
 from outrider.interop.checkpoint import load_head
 from outrider.models import load_model
-from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
+from outrider.trees import TreeSpec, record_fields
 from outrider.bench.verdict import judge
 
 METHODS = tuple(PROPOSERS)
@@ -177,7 +177,7 @@ def _prompt_file(path: Path) -> list[str]:
 
 def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
                    device: torch.device | None = None, dtype: torch.dtype | None = None,
-                   ngram_min: int = 1, ngram_max: int = 4, tree: TreeBudget | StaticTree | None = None
+                   ngram_min: int = 1, ngram_max: int = 4, tree: TreeSpec | None = None
                    ) -> Proposer | None:
     """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
     or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
@@ -300,7 +300,7 @@ def _merge(results: list[GenerationResult]) -> dict[str, Any]:
 
 
 def bench(target: str, method: str, draft: str | None = None, k: int = 4,
-          tree: TreeBudget | StaticTree | None = None, num_prompts: int = 10,
+          tree: TreeSpec | None = None, num_prompts: int = 10,
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
@@ -318,7 +318,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     each phase ends (warm-ups, which compile and capture, and passes), with its seconds;
     ``progress`` shows a bar on stderr over the timed batches of all passes. ``graphs`` and
     ``compile`` (None: on for CUDA, off elsewhere) choose the engine's fast path: steps replayed as
-    CUDA graphs, fused by ``torch.compile`` with static shapes first. ``tree`` (``ops.tree``: an
+    CUDA graphs, fused by ``torch.compile`` with static shapes first. ``tree`` (``outrider.trees``: an
     EAGLE-2 budget or a static tree; ``method`` eagle3) drafts trees instead of chains of ``k``.
     """
     require(k >= 1, f"--k must be >= 1, got {k}")
@@ -393,7 +393,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])
     agree = min(sum(a == b for a, b in zip(ar_out, out)) for _, (out, _, _) in passes)
-    nodes, levels = proposer.round_shape(k) if proposer else (0, 0)
+    nodes, steps = proposer.round_shape(k) if proposer else (0, 0)
     verdict = (judge(model, prompt_ids, ar_out, [out for _, (out, _, _) in passes], nodes)
                if sampling.greedy else None)
     pair_speedups = [(sum(map(len, so)) / ss) / (sum(map(len, ao)) / as_) for (ao, as_, _), (so, ss, _) in passes]
@@ -402,7 +402,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     reps = [repeated_ngrams(p, t) for p, t in zip(prompt_ids, ar_out)]
     record: dict[str, Any] = {
         "method": method,
-        "k": levels,  # a tree's greatest depth
+        "k": steps,  # a chain's k; a tree's steps (its depth)
         **tree_fields(proposer.tree if proposer else None, m["tau"]),
         "target": str(target),
         "draft": draft,
@@ -456,16 +456,12 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     return record
 
 
-def tree_fields(tree: TreeBudget | StaticTree | None, tau: float) -> dict[str, Any]:
-    """A tree record's settings as SGLang takes them (a static tree's also as vLLM's paths), the
-    tokens verified and accepted per round; nothing for a chain."""
+def tree_fields(tree: TreeSpec | None, tau: float) -> dict[str, Any]:
+    """A tree record's settings (``trees.record_fields``), the tokens verified and accepted per
+    round; nothing for a chain."""
     if tree is None:
         return {}
-    if isinstance(tree, TreeBudget):
-        fields: dict[str, Any] = tree.as_dict()
-    else:
-        topk, steps, draft_tokens = tree.shape()
-        fields = {"topk": topk, "steps": steps, "draft_tokens": draft_tokens, "tree_paths": tree.to_text()}
+    fields = record_fields(tree)
     return {**fields, "verified_tokens": fields["draft_tokens"], "accepted_per_round": tau - 1}
 
 

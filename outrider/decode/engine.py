@@ -147,9 +147,9 @@ class SpecEngine:
         vocab = self.target.get_output_embeddings().weight.shape[0]
         bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
         require(not bad, f"prompt token id {bad[:1]} outside the target vocabulary of {vocab}")
-        # a round verifies `nodes` drafted tokens and accepts at most `levels` (a chain: k and k)
-        nodes, levels = self.proposer.round_shape(k) if self.proposer is not None else (0, 0)
-        state = RequestState(prompts, levels, max_new_tokens, self.eos, self.sampling.seed, dev)
+        # a round verifies `nodes` drafted tokens and accepts at most `steps` (a chain: k and k)
+        nodes, steps = self.proposer.round_shape(k) if self.proposer is not None else (0, 0)
+        state = RequestState(prompts, steps, max_new_tokens, self.eos, self.sampling.seed, dev)
         plens = state.prompt_lens
         P = int(plens.max())
         limit = getattr(self.target.config, "max_position_embeddings", None)

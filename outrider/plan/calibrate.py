@@ -24,7 +24,7 @@ import numpy as np
 from outrider.errors import UserError
 from outrider.plan.cost_model import ModelShape, allreduce_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
-from outrider.plan.trees import budget_of, is_tree_record
+from outrider.trees import budget_of, is_tree_record
 
 # --------------------------------------------------------------------------------------------
 # Calibration

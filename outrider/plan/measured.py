@@ -39,7 +39,7 @@ from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
 from outrider.plan.served_records import is_served
-from outrider.plan.trees import budget_of, is_tree_record
+from outrider.trees import budget_of, is_tree_record
 from outrider.plan.served_records import measurements as served_measurements
 
 KEYS = ("decode_tokens_per_s", "collective_share", "collectives_per_token", "tp", "context", "source",

@@ -79,8 +79,8 @@ from outrider.plan.hardware import (
 )
 from outrider.plan.measured import Fit, fit_profile, load_measured
 from outrider.plan.presets import resolve_target
-from outrider.plan.trees import TreeBudget, TreeEntry, budget_of, chain_budget, is_tree_record, predict_tree, \
-    sglang_launch, tree_entry
+from outrider.plan.trees import TreeEntry, predict_tree, sglang_launch, tree_entry
+from outrider.trees import TreeBudget, budget_of, is_tree_record, shape_of
 from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
@@ -300,8 +300,8 @@ def _option(p: Prediction, sep: str = " with ") -> str:
 def _launch(p: Prediction) -> Prediction:
     """Name a chain or parallel row's serving settings (trees name theirs in ``predict_tree``)."""
     if p.method == "eagle3" and p.draft_kind == "chain":
-        b = chain_budget(p.k)
-        return replace(p, tree=(b.topk, b.steps, b.draft_tokens), launch=sglang_launch(b))
+        shape = shape_of(None, p.k)
+        return replace(p, tree=shape, launch=sglang_launch(shape))
     if p.method == "parallel":
         return replace(p, launch=f"vLLM --speculative-config '{{\"method\": \"eagle3\", \"model\": HEAD, "
                                  f"\"num_speculative_tokens\": {p.k}, \"parallel_drafting\": true}}'")

@@ -31,12 +31,12 @@ from __future__ import annotations
 import torch
 
 from outrider.ops.graphs import capture_graph, compiled
-from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import Outcome, Proposer, StartContext
 from outrider.decode.proposers.tree_draft import TreeDrafter, tree_slots
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
+from outrider.trees import StaticTree, TreeSpec
 
 SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
 # for the draft step's scores
@@ -94,7 +94,7 @@ class Eagle3Proposer(Proposer):
     device_side = True
     device_rounds = True
 
-    def __init__(self, head: torch.nn.Module, target: torch.nn.Module, tree: TreeBudget | StaticTree | None = None):
+    def __init__(self, head: torch.nn.Module, target: torch.nn.Module, tree: TreeSpec | None = None):
         self.head = head
         self.tree = tree  # draft trees of this shape instead of chains (``tree_draft``)
         self.embedding = target.get_input_embeddings()
@@ -106,16 +106,12 @@ class Eagle3Proposer(Proposer):
         self._static_shape: Draft | None = None  # a static tree's structure on the device (parents, ancestry)
 
     @classmethod
-    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeBudget | StaticTree | None = None,
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeSpec | None = None,
               **options: object) -> "Eagle3Proposer":
         return cls(draft, target) if tree is None else cls(draft, target, tree=tree)
 
     def round_shape(self, k: int) -> tuple[int, int]:
-        if isinstance(self.tree, TreeBudget):
-            return self.tree.nodes, self.tree.steps
-        if isinstance(self.tree, StaticTree):
-            return self.tree.size, self.tree.depth
-        return k, k
+        return (k, k) if self.tree is None else (self.tree.nodes, self.tree.steps)
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
@@ -290,15 +286,15 @@ class Eagle3Proposer(Proposer):
         h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
         drafter = TreeDrafter(self.head, self.embedding, self.cache, self.tree)
         tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N], [N] or [batch, N]
-        nodes, levels = self.round_shape(0)
+        nodes, steps = self.tree.nodes, self.tree.steps
         num = torch.full((nxt.shape[0],), nodes, device=self.dev)
         if isinstance(self.tree, StaticTree):  # one shape for every row: its ancestry computed once per request
             if self._static_shape is None or self._static_shape.tokens.device != self.dev:
-                self._static_shape = Draft(tokens, parents, num, depth=levels, width=self.tree.shape()[0])
+                self._static_shape = Draft(tokens, parents, num, depth=steps, width=self.tree.topk)
             shape = self._static_shape
-            return Draft(tokens, shape.parents, num, depth=levels, width=shape.width, ancestors=shape.ancestors,
+            return Draft(tokens, shape.parents, num, depth=steps, width=shape.width, ancestors=shape.ancestors,
                          depths=shape.depths)
-        return Draft(tokens, parents, num, None, depth=levels, width=self.tree.topk)
+        return Draft(tokens, parents, num, None, depth=steps, width=self.tree.topk)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""
