@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-from outrider.bench.local import build_proposer, load_prompts
+from outrider.bench.local import load_prompts
+from outrider.decode.proposers import PROPOSERS
+from outrider.interop.drafts import build_proposer
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
 from outrider.fsutil import write_json_output
@@ -71,7 +73,7 @@ def main() -> int:
     rows, chains = [], {}
     for kind, k, tree in settings:
         if head is None:
-            proposer = build_proposer("eagle3", model, tok, a.head, tree=tree)
+            proposer = build_proposer("eagle3", PROPOSERS["eagle3"], model, tok, a.head, tree=tree)
         else:
             proposer = PROPOSERS["eagle3"].build(model, head, **({"tree": tree} if tree else {}))
         engine = SpecEngine(model, proposer, k=k or 1, eos_ids=eos, graphs=a.graphs, compile=a.compile)

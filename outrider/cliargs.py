@@ -21,12 +21,12 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
 from outrider.fsutil import USER_ERRNOS, os_error_line, read_text
+from outrider.interop.drafts import DRAFTS, folder_kind
 
 if TYPE_CHECKING:
     from outrider.train.options import StreamOptions, TrainOptions
@@ -185,23 +185,6 @@ def dtype(text: str) -> str:
 # Checks that join flags or look at inputs, before the verb starts
 
 
-def draft_kind(path: str) -> str | None:
-    """'head' (an EAGLE-3 head's config), 'model' (a causal LM's), or None (nothing to tell from)."""
-    folder = Path(path).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        return "model" if folder.is_file() else None  # a GGUF file is a model
-    try:
-        cfg = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    archs = " ".join(str(a) for a in cfg.get("architectures") or [] if isinstance(a, str)).lower()
-    head_keys = ("eagle_config", "speculators_config", "speculators_model_type", "draft_vocab_size", "outrider")
-    return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
-
-
 def tree_option(a: argparse.Namespace):
     """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``outrider.trees`` TreeBudget or
     StaticTree (checked), or None for chains."""
@@ -213,7 +196,7 @@ def tree_option(a: argparse.Namespace):
     if tree is not None and paths is not None:
         raise UserError("--tree and --tree-paths both give the tree: choose one")
     method = getattr(a, "method", "eagle3")  # export: the head's own
-    if method != "eagle3":
+    if not PROPOSERS[method].trees:
         raise UserError(f"--tree and --tree-paths draft trees from an EAGLE-3 head: use --method eagle3 --draft HEAD "
                         f"(--method {method} drafts chains)")
     if tree is not None:
@@ -263,9 +246,9 @@ def _check_decoding(a: argparse.Namespace) -> None:
     if needs is not None:
         if a.draft is None:
             raise UserError(f"--method {a.method} needs --draft")
-        kind = draft_kind(a.draft)
-        if needs == "head" and kind == "model":
-            raise UserError(f"--draft {a.draft} is a full model, not an EAGLE-3 head: use --method draft for a "
+        kind = folder_kind(a.draft)
+        if DRAFTS[needs].folder == "head" and kind == "model":
+            raise UserError(f"--draft {a.draft} is a full model, not {DRAFTS[needs].what}: use --method draft for a "
                             "draft model")
         if needs == "model" and kind == "head":
             raise UserError(f"--draft {a.draft} is an EAGLE-3 head, not a draft model: use --method eagle3")

@@ -36,14 +36,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.decode.engine import SpecEngine, check_pair, eos_token_ids
+from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
-from outrider.decode.proposers.base import Proposer
 from outrider.decode.sampling import SamplingParams
 from outrider.decode.state import GenerationResult
 from outrider.errors import UserError, require
 from outrider.fsutil import os_error_line, read_text, write_json_output
-from outrider.interop.checkpoint import load_head
+from outrider.interop.drafts import build_proposer
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
@@ -175,48 +174,6 @@ def _prompt_file(path: Path) -> list[str]:
     return lines
 
 
-def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
-                   device: torch.device | None = None, dtype: torch.dtype | None = None,
-                   ngram_min: int = 1, ngram_max: int = 4, tree: TreeSpec | None = None
-                   ) -> Proposer | None:
-    """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
-    or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
-    require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    spec = PROPOSERS[method]
-    built = None
-    if spec.needs is not None:
-        require(draft is not None, f"--method {method} needs --draft")
-    if spec.needs == "model":
-        built, dtok = load_model(draft, device=device, dtype=dtype)
-        check_pair(target, built, tokenizer, dtok)
-    elif spec.needs == "head":
-        built = load_eagle3_head(draft, target, device=device)
-        check_head_method(method, built, draft)
-    require(tree is None or method == "eagle3", f"--method {method} drafts chains; trees need --method eagle3")
-    options = {"tree": tree} if tree is not None else {}
-    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max, **options)
-
-
-def check_head_method(method: str, head: torch.nn.Module, draft: str) -> None:
-    """``UserError`` when the head was trained for the other drafting: a P-EAGLE head drafts all k
-    at once (``parallel``), an EAGLE-3 head a chain (``eagle3``)."""
-    parallel = bool(head.config.parallel_drafting)
-    if method == "parallel" and not parallel:
-        raise UserError(f"--method parallel needs a parallel-drafting head; {draft} is an EAGLE-3 head: use "
-                        "--method eagle3, or train one with 'outrider train --parallel-drafting'")
-    if method != "parallel" and parallel:
-        raise UserError(f"{draft} is a parallel-drafting (P-EAGLE) head, trained to draft all k tokens in one "
-                        f"forward: use --method parallel, not --method {method}")
-
-
-def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None
-                     ) -> torch.nn.Module:
-    """The EAGLE-3 head at ``path``, checked against ``target``, on its device and dtype, frozen."""
-    head, _ = load_head(path, target_config=target.config)
-    param = next(target.parameters())
-    return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
-
-
 def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None,
          k: int | None = None) -> tuple[list[list[int]], float, list[GenerationResult]]:
     """Generate batch by batch; the seconds count generation only (the bar draws between batches)."""
@@ -345,7 +302,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
         proposer = spec.proposer
         graphs = spec.graphs
     else:
-        proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype, tree=tree)
+        proposer = build_proposer(method, PROPOSERS[method], model, tokenizer, draft, device=dev, dtype=torch_dtype,
+                                  tree=tree)
         ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
         spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
                 if proposer else ar)

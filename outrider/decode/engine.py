@@ -55,17 +55,6 @@ def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_pair(target: torch.nn.Module, draft: torch.nn.Module, target_tok=None, draft_tok=None) -> None:
-    """Refuse a draft model that cannot propose target tokens (other vocabulary or tokenizer)."""
-    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
-    require(vt == vd, f"draft vocabulary size {vd} differs from the target's {vt}: "
-                      "use a draft with the target's tokenizer")
-    if target_tok is not None and draft_tok is not None:
-        require(target_tok.get_vocab() == draft_tok.get_vocab(),
-                "draft tokenizer differs from the target's (same size, other tokens): "
-                "use a draft trained with the target's tokenizer")
-
-
 class SpecEngine:
     """Decode a batch of prompts with an optional proposer.
 

@@ -22,9 +22,11 @@ from outrider.bench.served import offline
 
 
 def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | None, texts: Sequence[str],
-                    max_new_tokens: int, k: int, device: str | None, dtype: str | None, console) -> None:
+                    max_new_tokens: int, k: int, device: str | None, dtype: str | None, console,
+                    method: str) -> None:
     spec_k = next((r["k"] for r in records if r.get("tau") is not None and r.get("k")), k)
-    local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype)
+    local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype,
+                              method="parallel" if method == "parallel" else "eagle3")
     checks = []
     if draft is not None:
         from outrider.interop import inspect as compat
@@ -64,7 +66,7 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
     records, failure = served.served_bench(server, texts, concurrency, max_new_tokens, model, baseline,
                                            baseline_model, temperature, seed, timeout, method, json_path, log)
     if target is not None and failure is None:
-        _offline_fields(records, target, draft, texts, max_new_tokens, k, device, dtype, console)
+        _offline_fields(records, target, draft, texts, max_new_tokens, k, device, dtype, console, method)
     if console is not None and records:
         served.print_table(records, console)
     if json_path and records:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from outrider.decode.proposers.head_cache import head_step
 from outrider.ops.tree import select_nodes
 from outrider.trees import StaticTree, TreeBudget, TreeSpec
 
@@ -61,12 +62,10 @@ class TreeDrafter:
         cache = self.cache
         positions = (root_pos[:, None] + depth).expand_as(tokens)  # [batch, M]
         cache.write = slots
-        q, k, v = self.head.before_attention(self.embedding(tokens), hidden, positions)
         prefix = (cache.slots[None, None, :] <= root_pos[:, None, None]) & (cache.slots < cache.max_len)
         if cache.window:
             prefix = prefix & (cache.slots[None, None, :] > positions[:, :, None] - cache.window)
-        attended = self.head.attend(q, k, v, (prefix | sees)[:, None], cache)  # [batch, M, heads * d]
-        return self.head.after_attention(hidden, attended)
+        return head_step(self.head, self.embedding, cache, tokens, hidden, positions, (prefix | sees)[:, None])
 
     @torch.no_grad()
     def draft(self, h_root: torch.Tensor, root_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
