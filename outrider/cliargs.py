@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import math
 import os
 import sys
@@ -212,27 +211,19 @@ def export_launch(a: argparse.Namespace) -> tuple[int, Any]:
     """``export``'s launch settings: (k, tree) from ``--bench F`` (the EAGLE-3 record of the best
     end-to-end speedup: its chain's k or its tree; a topk-1 budget is its chain), else
     ``--num-speculative-tokens`` and ``--tree``/``--tree-paths``."""
-    from outrider.trees import TreeBudget, tree_of
+    from outrider.records import read_records
+    from outrider.trees import TreeBudget
 
     tree = tree_option(a)
     if a.bench is None:
         return a.num_speculative_tokens, tree
     if tree is not None:
         raise UserError("--bench picks the measured best chain or tree: leave out --tree and --tree-paths")
-    try:
-        data = json.loads(read_text(a.bench))
-    except OSError as e:
-        raise UserError(f"--bench: {os_error_line(e, a.bench)}") from None
-    except ValueError as e:
-        raise UserError(f"--bench {a.bench}: not JSON ({e})") from None
-    records = data if isinstance(data, list) else [data]
-    ok = [r for r in records if isinstance(r, dict) and r.get("method") == "eagle3"
-          and isinstance(r.get("speedup_vs_ar"), (int, float)) and isinstance(r.get("k"), int)]
+    ok = [r for r in read_records(a.bench, "--bench") if r.method == "eagle3" and r.speedup_vs_ar is not None and r.k is not None]
     if not ok:
         raise UserError(f"--bench {a.bench}: no eagle3 bench record (method, k, speedup_vs_ar)")
-    best = max(ok, key=lambda r: (r["speedup_vs_ar"], r.get("tau", 0)))
-    tree = tree_of(best, f"--bench {a.bench}: the best record")
-    return best["k"], None if isinstance(tree, TreeBudget) and tree.is_chain else tree
+    best = max(ok, key=lambda r: (r.speedup_vs_ar, r.tau or 0))
+    return best.k, None if isinstance(best.tree, TreeBudget) and best.tree.is_chain else best.tree
 
 
 def _check_decoding(a: argparse.Namespace) -> None:

@@ -3,9 +3,9 @@
 Contract: ``bench(...)`` loads the target once, draws prompts (by default first user turns of
 the held-out ShareGPT split, rendered with the target's chat template), warms up, then decodes
 the same prompts with plain autoregressive decoding (our engine, and optionally Hugging Face
-``generate``) and with the chosen method. It returns one record (and, after printing the table,
-writes a JSON list of records atomically; when that file cannot be written, to a temporary file
-that the one-line error names) with at least: method, k, num_prompts, new_tokens, tau,
+``generate``) and with the chosen method. It returns one record (``outrider.records``, its JSON
+form) and, after printing the table, writes a JSON list of records atomically (when that file
+cannot be written, to a temporary file that the one-line error names), with at least: method, k, num_prompts, new_tokens, tau,
 accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
 Greedy runs carry the lossless verdict (``verdict.py``): ``exact``, equal up to near-ties
 whose margins are within the measured rounding of the dtype, or ``NO`` with the first mismatch;
@@ -41,11 +41,12 @@ from outrider.decode.proposers import PROPOSERS
 from outrider.decode.sampling import SamplingParams
 from outrider.decode.state import GenerationResult
 from outrider.errors import UserError, require
-from outrider.fsutil import os_error_line, read_text, write_json_output
+from outrider.fsutil import os_error_line, read_text
 from outrider.interop.drafts import build_proposer
 from outrider.models import load_model
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
+from outrider.records import new_record, write_records
 from outrider.trees import TreeSpec, record_fields
 from outrider.bench.verdict import judge
 
@@ -358,7 +359,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     pair_decode = [_merge(sr)["decode_tokens_per_s"] / _merge(ar_r)["decode_tokens_per_s"]
                    for (_, _, ar_r), (_, _, sr) in passes]
     reps = [repeated_ngrams(p, t) for p, t in zip(prompt_ids, ar_out)]
-    record: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "method": method,
         "k": steps,  # a chain's k; a tree's steps (its depth)
         **tree_fields(proposer.tree if proposer else None, m["tau"]),
@@ -404,9 +405,10 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
         "date": today(),
     }
     if hf_baseline:
-        record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
-        record["ar_vs_hf"] = (sum(map(len, ar_out)) / ar_s) / record["hf_tokens_per_s"]  # the interleaved pass
-        record["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
+        fields["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
+        fields["ar_vs_hf"] = (sum(map(len, ar_out)) / ar_s) / fields["hf_tokens_per_s"]  # the interleaved pass
+        fields["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
+    record = new_record("bench", fields)
     if console is not None:
         print_table([record], console)
     if json_path:
@@ -436,7 +438,7 @@ def _write_record(json_path: str, record: dict[str, Any]) -> None:
     """``--json F`` after the table: when F cannot be written, the record goes to a temporary file
     that the one-line error names, so that a long measurement is never lost."""
     try:
-        write_json_output(json_path, [record])
+        write_records(json_path, [record])
     except OSError as e:
         try:
             fd, fallback = tempfile.mkstemp(prefix="outrider-bench-", suffix=".json")

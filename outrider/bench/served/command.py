@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import read_json, write_json_output
+from outrider.records import read_records, write_records
 from outrider.bench.served import measure as served
 from outrider.bench.served import offline
 
@@ -70,7 +70,7 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
     if console is not None and records:
         served.print_table(records, console)
     if json_path and records:
-        write_json_output(json_path, records)
+        write_records(json_path, records)
     if failure is not None:
         kept = f"; the levels measured so far are in {json_path}" if json_path and json_path != "-" else ""
         raise UserError(failure + kept)
@@ -78,16 +78,9 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
 
 
 def compare_files(a: str, b: str, console=None, json_path: str | None = None) -> list[dict[str, Any]]:
-    records = served.compare(_records(a), _records(b))
+    records = served.compare(read_records(a, "served records"), read_records(b, "served records"))
     if console is not None:
         served.print_table(records, console)
     if json_path:
-        write_json_output(json_path, records)
+        write_records(json_path, records)
     return records
-
-
-def _records(path: str) -> list[dict[str, Any]]:
-    data = read_json(path, "served records")
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise UserError(f"{path}: expected the list of records `outrider bench --server --json` writes")
-    return data
