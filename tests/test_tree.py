@@ -285,3 +285,16 @@ def test_verification_reads_nothing_back_to_the_host(monkeypatch):
         for v, w in zip(got, [verify_greedy(one, logits[b:b + 1]), verify_sampling(one, p[b:b + 1], u[b:b + 1]),
                               verify_sampling(replace(one, q=q[b:b + 1]), p[b:b + 1], u[b:b + 1])]):
             assert torch.equal(v.num_accepted[b:b + 1], w.num_accepted) and torch.equal(v.tokens[b:b + 1], w.tokens)
+
+
+def test_one_spec_shape_and_record_round_trip():
+    from outrider.trees import record_fields, shape_of, tree_of
+
+    budget, paths = TreeBudget(4, 3, 10), static_tree("[(0,), (1,), (0, 0), (1, 0)]")
+    assert shape_of(None, 5) == (1, 5, 6) and shape_of(budget, 5) == (4, 3, 10) and shape_of(paths, 5) == (2, 2, 5)
+    assert (paths.nodes, paths.steps, paths.topk, paths.draft_tokens) == (4, 2, 2, 5)
+    for tree in (budget, paths):
+        assert tree_of({"method": "eagle3", **record_fields(tree)}, "r") == tree
+    assert record_fields(None) == {} and tree_of({"method": "eagle3", "k": 3}, "r") is None
+    with pytest.raises(UserError, match="disagrees with its tree_paths"):
+        tree_of({**record_fields(paths), "steps": 3}, "r")
