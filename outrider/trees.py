@@ -13,7 +13,7 @@ forward per level; ``draft_tokens``: verified per round, root included; ``nodes`
   orders them (by length, then lexicographic) -> a ``StaticTree`` (paths, parents, ranks). Its shape
   may exceed an EAGLE-2 budget (``budget_of`` checks it when a budget is needed).
 - ``shape_of(tree, k)``: (topk, steps, draft_tokens) of a tree, or of the chain of k (None);
-  ``sglang_flags(shape)`` those as SGLang's flags.
+  ``sglang_flags(shape)`` those as SGLang's flags, ``shape_label(shape)`` in words.
 - Records: ``record_fields(tree)`` the keys a bench record holds for a tree (none for a chain);
   ``tree_of(record, where)`` the tree a record ran (None: a chain); ``budget_of`` its budget.
 Bad input is a ``UserError`` naming ``where``.
@@ -43,6 +43,11 @@ def max_draft_tokens(topk: int, steps: int) -> int:
 def sglang_flags(shape: tuple[int, int, int]) -> str:
     """(topk, steps, draft_tokens) as SGLang's launch flags."""
     return " ".join(f"{f} {v}" for f, v in zip(SGLANG_FLAGS, shape))
+
+
+def shape_label(shape: tuple[int, int, int]) -> str:
+    """(topk, steps, draft_tokens) as ``topk=.. steps=.. draft_tokens=..``."""
+    return " ".join(f"{name}={v}" for name, v in zip(SHAPE_KEYS, shape))
 
 
 def budget_problem(topk: Any, steps: Any, draft_tokens: Any) -> str | None:
@@ -116,7 +121,7 @@ class TreeBudget:
         return dict(zip(SHAPE_KEYS, self.shape()))
 
     def label(self) -> str:
-        return f"topk={self.topk} steps={self.steps} draft_tokens={self.draft_tokens}"
+        return shape_label(self.shape())
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,7 @@ def tree_of(r: Mapping[str, Any], where: str) -> TreeSpec | None:
         for name, v in zip(SHAPE_KEYS, tree.shape()):
             if r.get(name) is not None and r.get(name) != v:
                 raise UserError(f"{where}: '{name}' {r.get(name)!r} disagrees with its tree_paths "
-                                f"(topk={tree.topk} steps={tree.steps} draft_tokens={tree.draft_tokens})")
+                                f"({shape_label(tree.shape())})")
     else:
         for name in SHAPE_KEYS:
             v = r.get(name)

@@ -233,27 +233,23 @@ def repeated_ngrams(prompt: Sequence[int], text: Sequence[int], n: int = 4) -> t
 
 
 def _merge(results: list[GenerationResult]) -> dict[str, Any]:
-    steps = sum(r.steps for r in results)
-    row_steps = sum(r.row_steps for r in results)
-    k = results[0].k
-    proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
-    accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
+    pooled = GenerationResult.pooled(results)
+    steps = max(pooled.steps, 1)
     return {
-        "steps": steps,
-        "tau": 1.0 + sum(accepted) / row_steps if row_steps else 0.0,
-        "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
-        "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
-        "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
+        "steps": pooled.steps,
+        "tau": pooled.tau,
+        "accept_rate_per_pos": pooled.accept_rate_per_pos,
+        "verify_step_ms": 1e3 * pooled.verify_s / steps,
+        "propose_step_ms": 1e3 * pooled.propose_s / steps,
         # per generate call (a batch): its first draft, from the prompts (included in propose_step_ms)
-        "prompt_draft_ms": 1e3 * sum(r.prompt_draft_s for r in results) / len(results),
+        "prompt_draft_ms": 1e3 * pooled.prompt_draft_s / len(results),
         # the whole decode step, and all of it that is not the target's verify span (drafting,
         # feeding the outcome back): what a speculative step costs beyond its target forward
-        "step_ms": 1e3 * sum(r.decode_s for r in results) / max(steps, 1),
+        "step_ms": 1e3 * pooled.decode_s / steps,
         # tokens after the first (which the prefill yields) over the decode loop's time
-        "decode_tokens_per_s": sum(r.new_tokens - len(r.tokens) for r in results)
-        / max(sum(r.decode_s for r in results), 1e-12),
-        "draft_step_ms": 1e3 * sum(r.decode_s - r.verify_s for r in results) / max(steps, 1),
-        "prefill_ms": 1e3 * sum(r.prefill_s for r in results) / len(results),  # per generate call
+        "decode_tokens_per_s": (pooled.new_tokens - len(pooled.tokens)) / max(pooled.decode_s, 1e-12),
+        "draft_step_ms": 1e3 * (pooled.decode_s - pooled.verify_s) / steps,
+        "prefill_ms": 1e3 * pooled.prefill_s / len(results),  # per generate call
     }
 
 

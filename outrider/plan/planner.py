@@ -81,7 +81,7 @@ from outrider.plan.measured import Fit, fit_profile, load_measured
 from outrider.plan.presets import resolve_target
 from outrider.plan.trees import TreeEntry, predict_tree, sglang_launch, tree_entry
 from outrider.records import read_records, records_of
-from outrider.trees import TreeBudget, budget_of, shape_of
+from outrider.trees import TreeBudget, budget_of, shape_label, shape_of
 from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
@@ -282,7 +282,7 @@ def _tree_acceptance(entry: TreeEntry) -> Acceptance:
 def _option(p: Prediction, sep: str = " with ") -> str:
     """A row's method and its setting: k, or a tree's budget."""
     if p.draft_kind == "tree" and p.tree:
-        return f"{p.method} topk={p.tree[0]} steps={p.tree[1]} draft_tokens={p.tree[2]}"
+        return f"{p.method} {shape_label(p.tree)}"
     return f"{p.method}{sep}k={p.k}"
 
 

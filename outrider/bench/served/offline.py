@@ -54,6 +54,7 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
     from outrider.bench.local import render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
     from outrider.decode.proposers import PROPOSERS
+    from outrider.decode.state import GenerationResult
     from outrider.interop.drafts import build_proposer
     from outrider.models import load_model
 
@@ -66,13 +67,10 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
     if draft is not None:
         proposer = build_proposer(method, PROPOSERS[method], model, tok, draft)
         spec = SpecEngine(model, proposer, k=k, eos_ids=eos, graphs=False, compile=False)
-        results = [spec.generate([p], max_new_tokens) for p in prompts]
-        row_steps = sum(r.row_steps for r in results)
-        accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
-        proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
-        run.tau = 1.0 + sum(accepted) / row_steps if row_steps else None
-        run.uncut_tau = 1.0 + sum(r.uncut_accepted for r in results) / row_steps if row_steps else None
-        run.accept_rate_per_pos = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+        pooled = GenerationResult.pooled([spec.generate([p], max_new_tokens) for p in prompts])
+        run.tau = pooled.tau if pooled.row_steps else None
+        run.uncut_tau = pooled.uncut_tau if pooled.row_steps else None
+        run.accept_rate_per_pos = pooled.accept_rate_per_pos
         run.k = k
     return run
 
