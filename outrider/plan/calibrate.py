@@ -121,7 +121,7 @@ def _parse_timing_records(data: Any, context: int, origin: str):
             if budget.is_chain:
                 r = {**r, "k": budget.steps}  # topk 1: the chain of k = steps
             else:
-                key = (budget.topk, budget.steps, budget.draft_tokens)
+                key = budget.shape()
                 if r.get("ar_step_ms") is not None:
                     points.append((1, b, c, _ms(r["ar_step_ms"], "ar_step_ms", origin)))
                 if r.get("verify_step_ms") is not None:

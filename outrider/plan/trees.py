@@ -82,7 +82,7 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     round of one token, fc included), each later one over ``topk`` nodes per sequence.
     A measured round for this budget (``DraftSpec.measured_tree_round*``) replaces the model; a
     topk-1 budget is the chain round of k = steps."""
-    key = (budget.topk, budget.steps, budget.draft_tokens)
+    key = budget.shape()
     measured = draft.measured_tree_round_by_batch.get((key, batch), draft.measured_tree_round_s.get(key))
     if measured is not None:
         return StepCost((Term("draft (measured)", measured, bound="overhead"),), budget.draft_tokens - 1, batch, context)
