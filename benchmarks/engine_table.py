@@ -10,9 +10,10 @@ ours, the served-vs-offline verdict.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from outrider.records import read_records
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -23,7 +24,7 @@ def main(folder: str) -> None:
     print("| case | served tau | offline tau (engine's count / walked) | difference | outputs = ours | flagged | tok/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path in sorted(Path(folder).glob("*.json")):
-        (r,) = json.loads(path.read_text())
+        (r,) = read_records(path, "served records")
         v = r.get("served_vs_offline") or {}
         rel = v.get("relative_difference")
         print(f"| {path.stem} | {fmt(r.get('tau'))} | {fmt(r.get('offline_uncut_tau'))} / {fmt(r.get('offline_tau'))} "

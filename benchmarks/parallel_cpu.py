@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from outrider import assets, sharegpt
-from outrider.bench.local import bench, load_eagle3_head, load_prompts
+from outrider.bench.local import bench, load_prompts
+from outrider.interop.drafts import load_head_for
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
@@ -146,7 +147,7 @@ def main() -> int:
         report = train(TrainOptions("default", str(data), str(run), config=cfg, progress=False),
                        loaded_target=(model, tok))
         train_s = time.perf_counter() - t
-        head = load_eagle3_head(report.head_dir, model)
+        head = load_head_for(report.head_dir, model)
         proposer = (ParallelProposer if name == "parallel" else Eagle3Proposer)(head, model)
         res = {"train_wall_s": train_s, "train_s": report.train_s, "trainer_final_eval": report.final_eval,
                "mask_token_id": head.config.mask_token_id if head.config.parallel_drafting else None,

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from outrider.bench.local import bench, build_proposer
+from outrider.bench.local import bench
+from outrider.decode.proposers import PROPOSERS
+from outrider.interop.drafts import build_proposer
 from outrider.provenance import git_commit
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import atomic_write_json
@@ -62,7 +64,7 @@ def main() -> None:
     graphs = dev.type == "cuda"
     eos = eos_token_ids(model, tok)
     ar = SpecEngine(model, None, eos_ids=eos, graphs=graphs, compile=a.compile)
-    proposer = build_proposer(method, model, tok, draft, device=dev)
+    proposer = build_proposer(method, PROPOSERS[method], model, tok, draft, device=dev)
     spec = SpecEngine(model, proposer, k=a.k, eos_ids=eos, graphs=graphs, compile=a.compile)
     records: dict[int, dict] = {}
     for b in batches:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import tempfile
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from rich.console import Console
 
 from outrider.fsutil import atomic_write_json
 from outrider.plan.planner import plan
+from outrider.records import read_records, write_records
 
 
 def check(records: list[dict], hardware: str, batching: str = "lockstep") -> list[dict]:
@@ -34,7 +34,7 @@ def check(records: list[dict], hardware: str, batching: str = "lockstep") -> lis
     for compiled, recs in sorted(groups.items()):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "records.json"
-            path.write_text(json.dumps(recs))
+            write_records(path, recs)
             ks = sorted({r["k"] for r in recs})
             batches = sorted({r.get("batch_size", 1) for r in recs})
             new = max(r.get("max_new_tokens", 128) for r in recs)
@@ -58,8 +58,7 @@ def main() -> None:
     ap.add_argument("--batching", default="lockstep", choices=["lockstep", "continuous"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    data = json.loads(Path(a.results).read_text())
-    records = data["records"] if isinstance(data, dict) else data
+    records = read_records(a.results)
     rows = check(records, a.hardware, a.batching)
     seen = set()
     for row in rows:

@@ -18,11 +18,13 @@ import time
 
 import torch
 
-from outrider.bench.local import build_proposer, load_prompts
+from outrider.bench.local import load_prompts
+from outrider.decode.proposers import PROPOSERS
+from outrider.interop.drafts import build_proposer
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.fsutil import write_json_output
 from outrider.models import load_model
-from outrider.ops.tree import TreeBudget
+from outrider.trees import TreeBudget
 from outrider.provenance import git_commit, today
 
 CHAINS = (3, 5, 7)
@@ -45,7 +47,7 @@ def main() -> int:
     rows = []
     settings = [("chain", k, None) for k in CHAINS] + [("tree", None, TreeBudget(*t)) for t in TREES]
     for kind, k, tree in settings:
-        proposer = build_proposer("eagle3", model, tok, a.head, tree=tree)
+        proposer = build_proposer("eagle3", PROPOSERS["eagle3"], model, tok, a.head, tree=tree)
         engine = SpecEngine(model, proposer, k=k or 1, eos_ids=eos)
         t0 = time.perf_counter()
         outs, steps, tokens = [], 0, 0

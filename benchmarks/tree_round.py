@@ -20,13 +20,15 @@ import sys
 
 import torch
 
-from outrider.bench.local import build_proposer, load_prompts
+from outrider.bench.local import load_prompts
+from outrider.decode.proposers import PROPOSERS
+from outrider.interop.drafts import build_proposer
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
 from outrider.fsutil import write_json_output
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import load_model
-from outrider.ops.tree import TreeBudget
+from outrider.trees import TreeBudget
 from outrider.provenance import git_commit, today
 
 TREES = ((1, 3, 4), (1, 5, 6), (2, 3, 8), (4, 2, 8), (4, 3, 16), (4, 4, 16))
@@ -71,7 +73,7 @@ def main() -> int:
     rows, chains = [], {}
     for kind, k, tree in settings:
         if head is None:
-            proposer = build_proposer("eagle3", model, tok, a.head, tree=tree)
+            proposer = build_proposer("eagle3", PROPOSERS["eagle3"], model, tok, a.head, tree=tree)
         else:
             proposer = PROPOSERS["eagle3"].build(model, head, **({"tree": tree} if tree else {}))
         engine = SpecEngine(model, proposer, k=k or 1, eos_ids=eos, graphs=a.graphs, compile=a.compile)

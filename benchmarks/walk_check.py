@@ -31,7 +31,8 @@ import sys
 
 import torch
 
-from outrider.bench.local import load_eagle3_head, load_prompts, repeated_ngrams
+from outrider.bench.local import load_prompts, repeated_ngrams
+from outrider.interop.drafts import load_head_for
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.errors import UserError
@@ -91,7 +92,7 @@ def run(a: argparse.Namespace) -> int:
     dtype = "float32" if a.device == "cpu" else "bfloat16"
     model, tok = load_model("default", device=a.device, dtype=dtype)
     eos = eos_token_ids(model, tok)
-    proposer = Eagle3Proposer(load_eagle3_head(a.head, model), model)
+    proposer = Eagle3Proposer(load_head_for(a.head, model), model)
     head = proposer.head
     head.bind_embedding(model.get_input_embeddings())
     draft_ids = torch.arange(head.config.draft_vocab_size, device=model.device) + head.d2t

@@ -40,12 +40,12 @@ from outrider.cliargs import (
     stderr_line,
     stream_options,
     train_options,
-    tree_option,
     user_os_error,
 )
 from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
 from outrider.fsutil import os_error_line
+from outrider.interop.drafts import DRAFTS
 from outrider.interop.formats import FORMATS
 from outrider.signals import Interrupted, Signals
 from outrider.train.loop.resume import NAMES as RESUME_NAMES
@@ -83,16 +83,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from outrider.bench.local import build_proposer, render_prompt
+    from outrider.bench.local import render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
+    from outrider.interop.drafts import build_proposer
     from outrider.decode.sampling import SamplingParams
     from outrider.models import load_model
 
     if not a.prompt.strip():
         raise UserError("empty prompt: give some text with --prompt")
     model, tok = load_model(a.target, device=a.device, dtype=a.dtype)
-    proposer = build_proposer(a.method, model, tok, a.draft, device=next(model.parameters()).device,
-                              dtype=next(model.parameters()).dtype, tree=tree_option(a))
+    proposer = build_proposer(a.method, PROPOSERS[a.method], model, tok, a.draft, tree=a.tree_spec)
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     engine = SpecEngine(model, proposer, k=a.k, sampling=sampling, eos_ids=eos_token_ids(model, tok))
     ids = render_prompt(tok, a.prompt, 1 << 30) if not a.raw else tok(a.prompt)["input_ids"]
@@ -123,7 +123,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      dtype=a.dtype, json_path=a.json, console=_console(a.json),
                      log=None if a.quiet else lambda line: print(line, file=sys.stderr))
         return 0
-    bench(a.target, a.method, draft=a.draft, k=a.k, tree=tree_option(a), num_prompts=a.num_prompts,
+    bench(a.target, a.method, draft=a.draft, k=a.k, tree=a.tree_spec, num_prompts=a.num_prompts,
           max_new_tokens=a.max_new_tokens,
           batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, prompts=a.prompts,
           device=a.device, dtype=a.dtype, hf_baseline=a.hf_baseline, json_path=a.json, console=_console(a.json),
@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def decoding(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--method", default="ar", choices=list(PROPOSERS),
-                        help=" | ".join(name + {"model": " (--draft: a draft model)", "head": " (--draft: an EAGLE-3 head)"}
-                                        .get(m.needs, "") for name, m in PROPOSERS.items()))
+                        help=" | ".join(name + (f" (--draft: {DRAFTS[m.needs].what})" if m.needs else "")
+                                        for name, m in PROPOSERS.items()))
         sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
         sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
         sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",

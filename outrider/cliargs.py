@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import math
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.decode.proposers import PROPOSERS
 from outrider.errors import UserError
 from outrider.fsutil import USER_ERRNOS, os_error_line, read_text
+from outrider.interop.drafts import DRAFTS, folder_kind
 
 if TYPE_CHECKING:
     from outrider.train.options import StreamOptions, TrainOptions
@@ -185,27 +184,10 @@ def dtype(text: str) -> str:
 # Checks that join flags or look at inputs, before the verb starts
 
 
-def draft_kind(path: str) -> str | None:
-    """'head' (an EAGLE-3 head's config), 'model' (a causal LM's), or None (nothing to tell from)."""
-    folder = Path(path).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        return "model" if folder.is_file() else None  # a GGUF file is a model
-    try:
-        cfg = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    archs = " ".join(str(a) for a in cfg.get("architectures") or [] if isinstance(a, str)).lower()
-    head_keys = ("eagle_config", "speculators_config", "speculators_model_type", "draft_vocab_size", "outrider")
-    return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
-
-
 def tree_option(a: argparse.Namespace):
-    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``ops.tree`` TreeBudget or
+    """``--tree TOPK,STEPS,TOKENS`` or ``--tree-paths FILE`` -> an ``outrider.trees`` TreeBudget or
     StaticTree (checked), or None for chains."""
-    from outrider.ops.tree import TreeBudget, static_tree
+    from outrider.trees import TreeBudget, static_tree
 
     tree, paths = getattr(a, "tree", None), getattr(a, "tree_paths", None)
     if tree is None and paths is None:
@@ -213,7 +195,7 @@ def tree_option(a: argparse.Namespace):
     if tree is not None and paths is not None:
         raise UserError("--tree and --tree-paths both give the tree: choose one")
     method = getattr(a, "method", "eagle3")  # export: the head's own
-    if method != "eagle3":
+    if not PROPOSERS[method].trees:
         raise UserError(f"--tree and --tree-paths draft trees from an EAGLE-3 head: use --method eagle3 --draft HEAD "
                         f"(--method {method} drafts chains)")
     if tree is not None:
@@ -227,40 +209,25 @@ def tree_option(a: argparse.Namespace):
 
 def export_launch(a: argparse.Namespace) -> tuple[int, Any]:
     """``export``'s launch settings: (k, tree) from ``--bench F`` (the EAGLE-3 record of the best
-    end-to-end speedup: its chain's k or its tree), else ``--num-speculative-tokens`` and
-    ``--tree``/``--tree-paths``."""
-    from outrider.ops.tree import TreeBudget, static_tree
+    end-to-end speedup: its chain's k or its tree; a topk-1 budget is its chain), else
+    ``--num-speculative-tokens`` and ``--tree``/``--tree-paths``."""
+    from outrider.records import read_records
+    from outrider.trees import TreeBudget
 
     tree = tree_option(a)
     if a.bench is None:
         return a.num_speculative_tokens, tree
     if tree is not None:
         raise UserError("--bench picks the measured best chain or tree: leave out --tree and --tree-paths")
-    try:
-        data = json.loads(read_text(a.bench))
-    except OSError as e:
-        raise UserError(f"--bench: {os_error_line(e, a.bench)}") from None
-    except ValueError as e:
-        raise UserError(f"--bench {a.bench}: not JSON ({e})") from None
-    records = data if isinstance(data, list) else [data]
-    ok = [r for r in records if isinstance(r, dict) and r.get("method") == "eagle3"
-          and isinstance(r.get("speedup_vs_ar"), (int, float)) and isinstance(r.get("k"), int)]
+    ok = [r for r in read_records(a.bench, "--bench") if r.method == "eagle3" and r.speedup_vs_ar is not None and r.k is not None]
     if not ok:
         raise UserError(f"--bench {a.bench}: no eagle3 bench record (method, k, speedup_vs_ar)")
-    best = max(ok, key=lambda r: (r["speedup_vs_ar"], r.get("tau", 0)))
-    where = f"--bench {a.bench}"
-    if "tree_paths" in best:
-        return best["k"], static_tree(best["tree_paths"], where=where)
-    if best.get("topk", 1) != 1:
-        try:
-            return best["k"], TreeBudget(best["topk"], best["steps"], best["draft_tokens"])
-        except (KeyError, UserError) as e:
-            raise UserError(f"{where}: the best record's tree is not a valid budget ({e})") from None
-    return best["k"], None
+    best = max(ok, key=lambda r: (r.speedup_vs_ar, r.tau or 0))
+    return best.k, None if isinstance(best.tree, TreeBudget) and best.tree.is_chain else best.tree
 
 
 def _check_decoding(a: argparse.Namespace) -> None:
-    tree_option(a)
+    a.tree_spec = tree_option(a)  # parsed once: the verb reads ``tree_spec``
     if a.method == "ar":
         return
     if a.k > a.max_new_tokens:
@@ -270,9 +237,9 @@ def _check_decoding(a: argparse.Namespace) -> None:
     if needs is not None:
         if a.draft is None:
             raise UserError(f"--method {a.method} needs --draft")
-        kind = draft_kind(a.draft)
-        if needs == "head" and kind == "model":
-            raise UserError(f"--draft {a.draft} is a full model, not an EAGLE-3 head: use --method draft for a "
+        kind = folder_kind(a.draft)
+        if DRAFTS[needs].folder == "head" and kind == "model":
+            raise UserError(f"--draft {a.draft} is a full model, not {DRAFTS[needs].what}: use --method draft for a "
                             "draft model")
         if needs == "model" and kind == "head":
             raise UserError(f"--draft {a.draft} is an EAGLE-3 head, not a draft model: use --method eagle3")

@@ -33,6 +33,7 @@ from outrider.plan.planner import plan
 from outrider.train.data.prepare import build_dataset
 from outrider.train.loop.trainer import train
 from outrider.train.options import TrainOptions
+from outrider.records import new_record, write_records
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def demo(preset: str | None = None, out: str = "outrider-demo", console=None) ->
         eagle = max((eagle, other), key=lambda r: r["speedup_vs_ar"])
     records.append(eagle)
     records.insert(0, ar_record(records[0]))
-    atomic_write_json(root / "bench.json", records)
+    write_records(root / "bench.json", records)
     print_table(records, console)
     times["bench"] = time.perf_counter() - t
 
@@ -212,7 +213,7 @@ def ar_record(paired: dict[str, Any]) -> dict[str, Any]:
               speedup_vs_ar=1.0, decode_speedup_vs_ar=1.0, speedup_per_pass=[1.0], lossless=True,
               verify_step_ms=paired["ar_step_ms"], draft_step_ms=0.0, step_ms=paired["ar_step_ms"],
               prefill_ms=paired.get("ar_prefill_ms"))
-    return ar
+    return new_record("bench", ar)
 
 
 def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float], export_note: str,

@@ -8,12 +8,8 @@ import torch
 from tiny import random_head
 
 from outrider.decode.engine import SpecEngine
-from outrider.decode.proposers.eagle3 import (
-    SLOT_ALIGN,
-    Eagle3Proposer,
-    HeadCache,
-    _pad_left,
-)
+from outrider.decode.proposers.eagle3 import Eagle3Proposer, _pad_left
+from outrider.decode.proposers.head_cache import SLOT_ALIGN, HeadCache
 from outrider.decode.sampling import SamplingParams
 from outrider.models import AuxCapture
 from outrider.train.loop.ttt import ttt_loss

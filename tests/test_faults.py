@@ -298,7 +298,7 @@ def test_full_or_read_only_file_system_is_one_line_and_keeps_what_was_there(worl
 def test_bench_prints_then_saves_the_measurement_elsewhere_when_its_json_cannot_be_written(world, tmp_path,
                                                                                            monkeypatch, capsys):
     out = tmp_path / "b.json"
-    monkeypatch.setattr("outrider.bench.local.write_json_output", _erofs(str(out)))
+    monkeypatch.setattr("outrider.records.write_json_output", _erofs(str(out)))
     assert cli_main(["bench", str(world["target"]), "--method", "ngram", "--k", "3", "--max-new-tokens", "8",
                      "--num-prompts", "2", "--prompts", str(world["prompts"]), "--json", str(out), "--quiet"]) == 2
     captured = capsys.readouterr()

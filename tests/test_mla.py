@@ -9,7 +9,8 @@ from tiny import assert_rounds_are_the_ttt_unroll, make_tiny, tiny_config
 from torch.nn import functional as F
 
 from outrider.decode.engine import SpecEngine
-from outrider.decode.proposers.eagle3 import Eagle3Proposer, HeadCache
+from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.head_cache import HeadCache
 from outrider.errors import UserError
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import AuxCapture

@@ -113,7 +113,7 @@ def test_sampling_is_reproducible_under_a_seed(tiny_models):
 
 def test_registry_and_refusals(tiny_models):
     model = tiny_models("llama")
-    assert PROPOSERS["parallel"].needs == "head"
+    assert PROPOSERS["parallel"].needs == "parallel-head"
     assert isinstance(PROPOSERS["parallel"].build(model, _head(model)), ParallelProposer)
     with pytest.raises(ValueError, match="parallel-drafting head"):
         ParallelProposer(_head(model, parallel=False), model)

@@ -23,7 +23,8 @@ from outrider.plan.cost_model import (
 from outrider.plan.hardware import load_profile, parse_precision
 from outrider.plan.planner import acceptance_from_bench, plan, trees_from_bench
 from outrider.plan.presets import KIMI_K25, SMOLLM2_135M
-from outrider.plan.trees import TreeBudget, budget_of, parse_tree_paths, predict_tree, tree_round_cost
+from outrider.plan.trees import predict_tree, tree_round_cost
+from outrider.trees import TreeBudget, budget_of, static_tree
 from tests.tiny import tiny_config
 
 
@@ -54,7 +55,7 @@ def write(tmp_path, records, name="bench.json"):
 def test_tree_round_is_steps_draft_forwards_plus_one_verify(smol, topk, steps, tokens, batch):
     hw, ctx = load_profile("h200"), 1024
     head = eagle3_head_shape(SMOLLM2_135M)
-    budget = TreeBudget(topk, steps, tokens).check("test")
+    budget = TreeBudget(topk, steps, tokens)
     # independently: the first draft forward is today's one-token chain round (fc included) ...
     fc = draft_round_cost(head, hw, 1, 1, batch, ctx).total_s - step_cost(head.shape, hw, 1, 1, batch, ctx,
                                                                            include_step_overhead=False).total_s
@@ -117,8 +118,8 @@ def test_parallel_round_is_one_draft_forward(smol):
 # ---- records ---------------------------------------------------------------------------------
 
 def test_tree_paths_and_budget_bound():
-    assert parse_tree_paths("[(0,), (1,), (0, 0)]", "t") == TreeBudget(2, 2, 4)
-    assert parse_tree_paths("[(0,), (0, 0), (0, 0, 0)]", "t") == TreeBudget(1, 3, 4)  # the chain of 3
+    assert TreeBudget(*static_tree("[(0,), (1,), (0, 0)]").shape()) == TreeBudget(2, 2, 4)
+    assert TreeBudget(*static_tree("[(0,), (0, 0), (0, 0, 0)]").shape()) == TreeBudget(1, 3, 4)  # the chain of 3
     assert TreeBudget(2, 3, 11).max_draft_tokens == 11 and TreeBudget(1, 5, 6).max_draft_tokens == 6
     assert budget_of({"tree_paths": "[(0,), (1,), (2,), (0, 0), (0, 1)]", "verified_tokens": 6}, "t") == \
         TreeBudget(3, 2, 6)
@@ -136,8 +137,8 @@ BAD = [
      "at most steps=3"),
     ({"topk": 1, "steps": 3, "draft_tokens": 3, "tau": 2.0}, "topk 1 is a chain"),
     ({"topk": 2, "steps": "3", "draft_tokens": 6, "tau": 2.0}, "integer 'steps'"),
-    ({"tree_paths": "[(0,), (1, 0)]", "tau": 2.0}, "not its parent"),
-    ({"tree_paths": "[(0,), (1,)", "tau": 2.0}, "not a list of tuples"),
+    ({"tree_paths": "[(0,), (1, 0)]", "tau": 2.0}, "no parent"),
+    ({"tree_paths": "[(0,), (1,)", "tau": 2.0}, "not a list of paths"),
     ({"tree_paths": "[(0,), (1,)]", "topk": 3, "tau": 2.0}, "disagrees with its tree_paths"),
 ]
 

@@ -20,7 +20,7 @@ from outrider.decode.strategies import choose
 from outrider.decode.strategies.ar_chunks import GreedyChunks
 from outrider.decode.strategies.pipelined import PipelinedStep
 from outrider.decode.strategies.rounds import RoundChunks
-from outrider.ops.tree import TreeBudget, static_tree
+from outrider.trees import TreeBudget, static_tree
 
 
 def _run(model, method, rounds, reference, monkeypatch, batch):

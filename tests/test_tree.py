@@ -12,8 +12,8 @@ from outrider.decode.draft import Draft
 from outrider.decode.sampling import sample
 from outrider.decode.verify import verify_greedy, verify_sampling
 from outrider.errors import UserError
-from outrider.ops.tree import (TreeBudget, ancestors, chain_parents, depths, is_chain, select_nodes, static_tree,
-                               verify_mask)
+from outrider.ops.tree import ancestors, chain_parents, depths, is_chain, select_nodes, verify_mask
+from outrider.trees import TreeBudget, static_tree
 
 #        root
 #       /    \
@@ -45,7 +45,7 @@ def test_a_chain_is_the_tree_whose_parents_are_i_minus_1():
 def test_static_tree_follows_vllm_order_and_refuses_non_trees():
     t = static_tree("[(1,), (0, 0), (0,), (0, 1), (1, 0)]")
     assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
-    assert t.parents == (-1, -1, 0, 0, 1) and t.ranks == (0, 1, 0, 1, 0) and t.depth == 2
+    assert t.parents == (-1, -1, 0, 0, 1) and t.ranks == (0, 1, 0, 1, 0) and t.steps == 2 and t.nodes == 5
     assert t.shape() == (2, 2, 6)  # SGLang terms: widest node, depth, nodes + 1
     assert static_tree(t.to_text()) == t
     for bad, says in [("[(0, 0)]", "no parent"), ("[(0,), (0,)]", "twice"), ("[(1,)]", "skips the rank"),
@@ -285,3 +285,16 @@ def test_verification_reads_nothing_back_to_the_host(monkeypatch):
         for v, w in zip(got, [verify_greedy(one, logits[b:b + 1]), verify_sampling(one, p[b:b + 1], u[b:b + 1]),
                               verify_sampling(replace(one, q=q[b:b + 1]), p[b:b + 1], u[b:b + 1])]):
             assert torch.equal(v.num_accepted[b:b + 1], w.num_accepted) and torch.equal(v.tokens[b:b + 1], w.tokens)
+
+
+def test_one_spec_shape_and_record_round_trip():
+    from outrider.trees import record_fields, shape_of, tree_of
+
+    budget, paths = TreeBudget(4, 3, 10), static_tree("[(0,), (1,), (0, 0), (1, 0)]")
+    assert shape_of(None, 5) == (1, 5, 6) and shape_of(budget, 5) == (4, 3, 10) and shape_of(paths, 5) == (2, 2, 5)
+    assert (paths.nodes, paths.steps, paths.topk, paths.draft_tokens) == (4, 2, 2, 5)
+    for tree in (budget, paths):
+        assert tree_of({"method": "eagle3", **record_fields(tree)}, "r") == tree
+    assert record_fields(None) == {} and tree_of({"method": "eagle3", "k": 3}, "r") is None
+    with pytest.raises(UserError, match="disagrees with its tree_paths"):
+        tree_of({**record_fields(paths), "steps": 3}, "r")

@@ -14,7 +14,7 @@ from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import Proposer
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.sampling import SamplingParams
-from outrider.ops.tree import TreeBudget, static_tree
+from outrider.trees import TreeBudget, static_tree
 
 MAX_NEW = 20
 TREES = [TreeBudget(2, 3, 6), TreeBudget(3, 3, 10), TreeBudget(4, 2, 8),
@@ -85,7 +85,7 @@ class OracleTree(Proposer):
         self.full = [p + c for p, c in zip(prompts, continuations)]
 
     def round_shape(self, k):
-        return self.tree.size, self.tree.depth
+        return self.tree.nodes, self.tree.steps
 
     def propose(self, k):
         rows = []

@@ -3,9 +3,9 @@
 Contract: ``bench(...)`` loads the target once, draws prompts (by default first user turns of
 the held-out ShareGPT split, rendered with the target's chat template), warms up, then decodes
 the same prompts with plain autoregressive decoding (our engine, and optionally Hugging Face
-``generate``) and with the chosen method. It returns one record (and, after printing the table,
-writes a JSON list of records atomically; when that file cannot be written, to a temporary file
-that the one-line error names) with at least: method, k, num_prompts, new_tokens, tau,
+``generate``) and with the chosen method. It returns one record (``outrider.records``, its JSON
+form) and, after printing the table, writes a JSON list of records atomically (when that file
+cannot be written, to a temporary file that the one-line error names), with at least: method, k, num_prompts, new_tokens, tau,
 accept_rate_per_pos, tokens_per_s, ar_tokens_per_s, speedup_vs_ar, lossless, device, dtype.
 Greedy runs carry the lossless verdict (``verdict.py``): ``exact``, equal up to near-ties
 whose margins are within the measured rounding of the dtype, or ``NO`` with the first mismatch;
@@ -36,18 +36,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 from outrider import assets, sharegpt
-from outrider.decode.engine import SpecEngine, check_pair, eos_token_ids
+from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
-from outrider.decode.proposers.base import Proposer
 from outrider.decode.sampling import SamplingParams
 from outrider.decode.state import GenerationResult
 from outrider.errors import UserError, require
-from outrider.fsutil import os_error_line, read_text, write_json_output
-from outrider.interop.checkpoint import load_head
+from outrider.fsutil import os_error_line, read_text
+from outrider.interop.drafts import build_proposer
 from outrider.models import load_model
-from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.progress import Bar
 from outrider.provenance import git_commit, today
+from outrider.records import new_record, write_records
+from outrider.trees import TreeSpec, record_fields
 from outrider.bench.verdict import judge
 
 METHODS = tuple(PROPOSERS)
@@ -175,48 +175,6 @@ def _prompt_file(path: Path) -> list[str]:
     return lines
 
 
-def build_proposer(method: str, target: torch.nn.Module, tokenizer=None, draft: str | None = None,
-                   device: torch.device | None = None, dtype: torch.dtype | None = None,
-                   ngram_min: int = 1, ngram_max: int = 4, tree: TreeBudget | StaticTree | None = None
-                   ) -> Proposer | None:
-    """The proposer for ``method`` (``decode.proposers.PROPOSERS``); ``draft`` names the draft model
-    or the EAGLE-3 head the method needs, loaded here and handed to the proposer built."""
-    require(method in METHODS, f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    spec = PROPOSERS[method]
-    built = None
-    if spec.needs is not None:
-        require(draft is not None, f"--method {method} needs --draft")
-    if spec.needs == "model":
-        built, dtok = load_model(draft, device=device, dtype=dtype)
-        check_pair(target, built, tokenizer, dtok)
-    elif spec.needs == "head":
-        built = load_eagle3_head(draft, target, device=device)
-        check_head_method(method, built, draft)
-    require(tree is None or method == "eagle3", f"--method {method} drafts chains; trees need --method eagle3")
-    options = {"tree": tree} if tree is not None else {}
-    return spec.build(target, built, ngram_min=ngram_min, ngram_max=ngram_max, **options)
-
-
-def check_head_method(method: str, head: torch.nn.Module, draft: str) -> None:
-    """``UserError`` when the head was trained for the other drafting: a P-EAGLE head drafts all k
-    at once (``parallel``), an EAGLE-3 head a chain (``eagle3``)."""
-    parallel = bool(head.config.parallel_drafting)
-    if method == "parallel" and not parallel:
-        raise UserError(f"--method parallel needs a parallel-drafting head; {draft} is an EAGLE-3 head: use "
-                        "--method eagle3, or train one with 'outrider train --parallel-drafting'")
-    if method != "parallel" and parallel:
-        raise UserError(f"{draft} is a parallel-drafting (P-EAGLE) head, trained to draft all k tokens in one "
-                        f"forward: use --method parallel, not --method {method}")
-
-
-def load_eagle3_head(path: str | Path, target: torch.nn.Module, device: torch.device | None = None
-                     ) -> torch.nn.Module:
-    """The EAGLE-3 head at ``path``, checked against ``target``, on its device and dtype, frozen."""
-    head, _ = load_head(path, target_config=target.config)
-    param = next(target.parameters())
-    return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
-
-
 def _run(engine: SpecEngine, prompts: list[list[int]], batch_size: int, max_new: int, bar: Bar | None = None,
          k: int | None = None) -> tuple[list[list[int]], float, list[GenerationResult]]:
     """Generate batch by batch; the seconds count generation only (the bar draws between batches)."""
@@ -275,32 +233,28 @@ def repeated_ngrams(prompt: Sequence[int], text: Sequence[int], n: int = 4) -> t
 
 
 def _merge(results: list[GenerationResult]) -> dict[str, Any]:
-    steps = sum(r.steps for r in results)
-    row_steps = sum(r.row_steps for r in results)
-    k = results[0].k
-    proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
-    accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
+    pooled = GenerationResult.pooled(results)
+    steps = max(pooled.steps, 1)
     return {
-        "steps": steps,
-        "tau": 1.0 + sum(accepted) / row_steps if row_steps else 0.0,
-        "accept_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
-        "verify_step_ms": 1e3 * sum(r.verify_s for r in results) / max(steps, 1),
-        "propose_step_ms": 1e3 * sum(r.propose_s for r in results) / max(steps, 1),
+        "steps": pooled.steps,
+        "tau": pooled.tau,
+        "accept_rate_per_pos": pooled.accept_rate_per_pos,
+        "verify_step_ms": 1e3 * pooled.verify_s / steps,
+        "propose_step_ms": 1e3 * pooled.propose_s / steps,
         # per generate call (a batch): its first draft, from the prompts (included in propose_step_ms)
-        "prompt_draft_ms": 1e3 * sum(r.prompt_draft_s for r in results) / len(results),
+        "prompt_draft_ms": 1e3 * pooled.prompt_draft_s / len(results),
         # the whole decode step, and all of it that is not the target's verify span (drafting,
         # feeding the outcome back): what a speculative step costs beyond its target forward
-        "step_ms": 1e3 * sum(r.decode_s for r in results) / max(steps, 1),
+        "step_ms": 1e3 * pooled.decode_s / steps,
         # tokens after the first (which the prefill yields) over the decode loop's time
-        "decode_tokens_per_s": sum(r.new_tokens - len(r.tokens) for r in results)
-        / max(sum(r.decode_s for r in results), 1e-12),
-        "draft_step_ms": 1e3 * sum(r.decode_s - r.verify_s for r in results) / max(steps, 1),
-        "prefill_ms": 1e3 * sum(r.prefill_s for r in results) / len(results),  # per generate call
+        "decode_tokens_per_s": (pooled.new_tokens - len(pooled.tokens)) / max(pooled.decode_s, 1e-12),
+        "draft_step_ms": 1e3 * (pooled.decode_s - pooled.verify_s) / steps,
+        "prefill_ms": 1e3 * pooled.prefill_s / len(results),  # per generate call
     }
 
 
 def bench(target: str, method: str, draft: str | None = None, k: int = 4,
-          tree: TreeBudget | StaticTree | None = None, num_prompts: int = 10,
+          tree: TreeSpec | None = None, num_prompts: int = 10,
           max_new_tokens: int = 128, batch_size: int = 1, temperature: float = 0.0, seed: int = 0,
           prompts: str = "sharegpt", device: str | None = None, dtype: str | None = None,
           hf_baseline: bool = False, json_path: str | None = None, console=None,
@@ -318,7 +272,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     each phase ends (warm-ups, which compile and capture, and passes), with its seconds;
     ``progress`` shows a bar on stderr over the timed batches of all passes. ``graphs`` and
     ``compile`` (None: on for CUDA, off elsewhere) choose the engine's fast path: steps replayed as
-    CUDA graphs, fused by ``torch.compile`` with static shapes first. ``tree`` (``ops.tree``: an
+    CUDA graphs, fused by ``torch.compile`` with static shapes first. ``tree`` (``outrider.trees``: an
     EAGLE-2 budget or a static tree; ``method`` eagle3) drafts trees instead of chains of ``k``.
     """
     require(k >= 1, f"--k must be >= 1, got {k}")
@@ -345,7 +299,8 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
         proposer = spec.proposer
         graphs = spec.graphs
     else:
-        proposer = build_proposer(method, model, tokenizer, draft, device=dev, dtype=torch_dtype, tree=tree)
+        proposer = build_proposer(method, PROPOSERS[method], model, tokenizer, draft, device=dev, dtype=torch_dtype,
+                                  tree=tree)
         ar = SpecEngine(model, None, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
         spec = (SpecEngine(model, proposer, k=k, sampling=sampling, eos_ids=eos, graphs=graphs, compile=compile)
                 if proposer else ar)
@@ -393,16 +348,16 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     m = _merge([r for _, (_, _, res) in passes for r in res])
     ar_m = _merge([r for (_, _, res), _ in passes for r in res])
     agree = min(sum(a == b for a, b in zip(ar_out, out)) for _, (out, _, _) in passes)
-    nodes, levels = proposer.round_shape(k) if proposer else (0, 0)
+    nodes, steps = proposer.round_shape(k) if proposer else (0, 0)
     verdict = (judge(model, prompt_ids, ar_out, [out for _, (out, _, _) in passes], nodes)
                if sampling.greedy else None)
     pair_speedups = [(sum(map(len, so)) / ss) / (sum(map(len, ao)) / as_) for (ao, as_, _), (so, ss, _) in passes]
     pair_decode = [_merge(sr)["decode_tokens_per_s"] / _merge(ar_r)["decode_tokens_per_s"]
                    for (_, _, ar_r), (_, _, sr) in passes]
     reps = [repeated_ngrams(p, t) for p, t in zip(prompt_ids, ar_out)]
-    record: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "method": method,
-        "k": levels,  # a tree's greatest depth
+        "k": steps,  # a chain's k; a tree's steps (its depth)
         **tree_fields(proposer.tree if proposer else None, m["tau"]),
         "target": str(target),
         "draft": draft,
@@ -446,9 +401,10 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
         "date": today(),
     }
     if hf_baseline:
-        record["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
-        record["ar_vs_hf"] = (sum(map(len, ar_out)) / ar_s) / record["hf_tokens_per_s"]  # the interleaved pass
-        record["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
+        fields["hf_tokens_per_s"] = sum(len(t) for t in hf_out) / hf_s
+        fields["ar_vs_hf"] = (sum(map(len, ar_out)) / ar_s) / fields["hf_tokens_per_s"]  # the interleaved pass
+        fields["hf_agreement"] = sum(a == b for a, b in zip(ar_out, hf_out)) / len(ar_out)
+    record = new_record("bench", fields)
     if console is not None:
         print_table([record], console)
     if json_path:
@@ -456,16 +412,12 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
     return record
 
 
-def tree_fields(tree: TreeBudget | StaticTree | None, tau: float) -> dict[str, Any]:
-    """A tree record's settings as SGLang takes them (a static tree's also as vLLM's paths), the
-    tokens verified and accepted per round; nothing for a chain."""
+def tree_fields(tree: TreeSpec | None, tau: float) -> dict[str, Any]:
+    """A tree record's settings (``trees.record_fields``), the tokens verified and accepted per
+    round; nothing for a chain."""
     if tree is None:
         return {}
-    if isinstance(tree, TreeBudget):
-        fields: dict[str, Any] = tree.as_dict()
-    else:
-        topk, steps, draft_tokens = tree.shape()
-        fields = {"topk": topk, "steps": steps, "draft_tokens": draft_tokens, "tree_paths": tree.to_text()}
+    fields = record_fields(tree)
     return {**fields, "verified_tokens": fields["draft_tokens"], "accepted_per_round": tau - 1}
 
 
@@ -482,7 +434,7 @@ def _write_record(json_path: str, record: dict[str, Any]) -> None:
     """``--json F`` after the table: when F cannot be written, the record goes to a temporary file
     that the one-line error names, so that a long measurement is never lost."""
     try:
-        write_json_output(json_path, [record])
+        write_records(json_path, [record])
     except OSError as e:
         try:
             fd, fallback = tempfile.mkstemp(prefix="outrider-bench-", suffix=".json")

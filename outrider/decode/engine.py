@@ -55,17 +55,6 @@ def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_pair(target: torch.nn.Module, draft: torch.nn.Module, target_tok=None, draft_tok=None) -> None:
-    """Refuse a draft model that cannot propose target tokens (other vocabulary or tokenizer)."""
-    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
-    require(vt == vd, f"draft vocabulary size {vd} differs from the target's {vt}: "
-                      "use a draft with the target's tokenizer")
-    if target_tok is not None and draft_tok is not None:
-        require(target_tok.get_vocab() == draft_tok.get_vocab(),
-                "draft tokenizer differs from the target's (same size, other tokens): "
-                "use a draft trained with the target's tokenizer")
-
-
 class SpecEngine:
     """Decode a batch of prompts with an optional proposer.
 
@@ -147,9 +136,9 @@ class SpecEngine:
         vocab = self.target.get_output_embeddings().weight.shape[0]
         bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
         require(not bad, f"prompt token id {bad[:1]} outside the target vocabulary of {vocab}")
-        # a round verifies `nodes` drafted tokens and accepts at most `levels` (a chain: k and k)
-        nodes, levels = self.proposer.round_shape(k) if self.proposer is not None else (0, 0)
-        state = RequestState(prompts, levels, max_new_tokens, self.eos, self.sampling.seed, dev)
+        # a round verifies `nodes` drafted tokens and accepts at most `steps` (a chain: k and k)
+        nodes, steps = self.proposer.round_shape(k) if self.proposer is not None else (0, 0)
+        state = RequestState(prompts, steps, max_new_tokens, self.eos, self.sampling.seed, dev)
         plens = state.prompt_lens
         P = int(plens.max())
         limit = getattr(self.target.config, "max_position_embeddings", None)

@@ -60,6 +60,17 @@ class GenerationResult:
     def accept_rate_per_pos(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
+    @classmethod
+    def pooled(cls, results: list["GenerationResult"]) -> "GenerationResult":
+        """Several ``generate`` calls at the same k as one: rows, counts and seconds summed (its tau and
+        acceptance are over all their steps)."""
+        k = results[0].k
+        return cls([t for r in results for t in r.tokens], k, sum(r.steps for r in results),
+                   sum(r.row_steps for r in results), [sum(r.proposed[i] for r in results) for i in range(k)],
+                   [sum(r.accepted[i] for r in results) for i in range(k)], sum(r.uncut_accepted for r in results),
+                   *(sum(getattr(r, name) for r in results)
+                     for name in ("prefill_s", "decode_s", "propose_s", "verify_s", "prompt_draft_s")))
+
 
 class Marks:
     """Per-phase wall time without a host synchronisation per step (CUDA events on GPU)."""

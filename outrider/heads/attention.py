@@ -15,7 +15,7 @@ Contract:
   rotate-half rotary.
 
 Not done here: the MLA projections (``outrider.heads.mla``), the slots and masks of a decode cache
-(``outrider.decode.proposers.eagle3.HeadCache``), dropout, soft-capping.
+(``outrider.decode.proposers.head_cache.HeadCache``), dropout, soft-capping.
 """
 
 from __future__ import annotations

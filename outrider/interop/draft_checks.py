@@ -178,23 +178,17 @@ def attention_checks(spec: HeadSpec, info: ArchInfo) -> list[Check]:
             checks.append(Check("MLA shapes", WARN, f"MLA draft (latent {m['kv_lora_rank']} + {m['qk_rope_head_dim']}) "
                                 f"on a {info.attention} target: the engine needs an MLA attention backend for the draft "
                                 "beside the target's"))
-        if cfg is not None:
-            other = _other_kind(spec, info)
-            kv = kv_bytes_per_token(cfg)
-            vs = f"; a GQA head for this target: {other['engine']} B" if other else ""
-            checks.append(Check("draft KV cache", PASS, f"{kv['engine']} B per token in bf16 as the engines cache it "
-                                f"(latent {latent}){vs}"))
+        layout, other_kind = f"as the engines cache it (latent {latent})", "a GQA head"
     else:
         if info.attention == "MLA":
             checks.append(Check("attention", WARN, f"MLA target (kv_lora_rank {info.kv_lora_rank}): the EAGLE-3 draft is "
                                 "a GQA Llama layer; give it its own attention backend, e.g. \"attention_backend\": "
                                 "\"FLASH_ATTN\" in --speculative-config (vLLM PR 39930)", "vllm"))
-        if cfg is not None:
-            other = _other_kind(spec, info)
-            kv = kv_bytes_per_token(cfg)
-            vs = f"; an MLA head for this target: {other['engine']} B" if other else ""
-            checks.append(Check("draft KV cache", PASS, f"{kv['engine']} B per token in bf16 ({hcfg.num_key_value_heads} "
-                                f"kv heads x {hcfg.head_dim}, keys and values){vs}"))
+        layout, other_kind = f"({hcfg.num_key_value_heads} kv heads x {hcfg.head_dim}, keys and values)", "an MLA head"
+    if cfg is not None:
+        other = _other_kind(spec, info)
+        vs = f"; {other_kind} for this target: {other['engine']} B" if other else ""
+        checks.append(Check("draft KV cache", PASS, f"{kv_bytes_per_token(cfg)['engine']} B per token in bf16 {layout}{vs}"))
     return checks
 
 

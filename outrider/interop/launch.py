@@ -28,20 +28,10 @@ from outrider.interop.engines import (
 )
 from outrider.interop.formats.base import HeadFormat
 from outrider.models import arch_info
-from outrider.ops.tree import StaticTree, TreeBudget
+from outrider.trees import StaticTree, TreeSpec, shape_of
 
 
-def tree_budget_of(tree: TreeBudget | StaticTree | None, k: int) -> tuple[int, int, int]:
-    """SGLang's (topk, steps, draft_tokens) for a chain of k, an EAGLE-2 budget, or a static tree
-    (its widest node's children, its depth, its nodes + 1)."""
-    if isinstance(tree, TreeBudget):
-        return tree.topk, tree.steps, tree.draft_tokens
-    if isinstance(tree, StaticTree):
-        return tree.shape()
-    return 1, k, k + 1
-
-
-def _vllm_tree_lines(tree: TreeBudget | StaticTree | None, spec: dict[str, Any]) -> list[str]:
+def _vllm_tree_lines(tree: TreeSpec | None, spec: dict[str, Any]) -> list[str]:
     """What vLLM does with a draft tree: nothing (``engines.VLLM_CHAINS_ONLY``); the command above is
     the chain of the tree's depth."""
     if tree is None:
@@ -60,7 +50,7 @@ PARALLEL_SGLANG = ("SGLang serves no P-EAGLE (parallel-drafting) heads: serve th
 
 def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int], nested: Sequence[int] | None,
                 nested_note: str, target: str | None, target_cfg: dict[str, Any] | None,
-                model_type: str | None, k: int = 3, tree: TreeBudget | StaticTree | None = None) -> str:
+                model_type: str | None, k: int = 3, tree: TreeSpec | None = None) -> str:
     """LAUNCH.md: the engine command lines for this head and what to watch out for. ``tree``: the
     draft tree the commands run (SGLang: its budget; vLLM: a static tree's paths) instead of a
     chain of ``k``."""
@@ -71,7 +61,7 @@ def launch_text(fmt: HeadFormat, out: Path, cfg: Eagle3Config, top: Sequence[int
     spec: dict[str, Any] = {"method": "eagle3", "model": str(out), "num_speculative_tokens": k}
     if cfg.parallel_drafting:  # P-EAGLE: vLLM drafts all k in one forward only when told so
         spec["parallel_drafting"] = True
-    topk, steps, draft_tokens = tree_budget_of(tree, k)
+    topk, steps, draft_tokens = shape_of(tree, k)
     if tree is not None:  # vLLM drafts no trees: the chain of the tree's depth
         spec["num_speculative_tokens"] = steps
     mla = cfg.attention == "mla"

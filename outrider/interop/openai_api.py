@@ -1,9 +1,10 @@
 """What every OpenAI-compatible server answers the same way, for both of outrider's clients (the
 chat client ``openai_client``, which regeneration uses, and the served benchmark's streaming
 client): the base URL as given (``/v1`` optional), the model to request from the ``/v1/models``
-listing, and a server's text cut to one line for a message.
+listing, a server's text cut to one line for a message, and the body of a chat request
+(``chat_body``: top_p 1 when sampling, the seed when given).
 
-Not done here: requests (each client makes its own: blocking JSON replies, or streamed chunks).
+Not done here: sending requests (each client sends its own: blocking JSON replies, or streamed chunks).
 """
 
 from __future__ import annotations
@@ -11,6 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 from outrider.errors import UserError
+
+
+def chat_body(model: str | None, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+              seed: int | None, stream: bool) -> dict[str, Any]:
+    """A ``/v1/chat/completions`` request body."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": int(max_tokens),
+                            "temperature": float(temperature), "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if temperature:
+        body["top_p"] = 1.0
+    if seed is not None:
+        body["seed"] = int(seed)
+    return body
 
 
 def base_url(server: str) -> str:

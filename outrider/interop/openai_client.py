@@ -28,7 +28,7 @@ import urllib.request
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.interop.openai_api import base_url, served_model, short
+from outrider.interop.openai_api import base_url, chat_body, served_model, short
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -86,12 +86,7 @@ class ChatClient:
              seed: int | None = None) -> str:
         """The assistant reply to ``messages`` (greedy at temperature 0). Raises ``ServerRejected`` or
         ``UserError``."""
-        body = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
-                "temperature": float(temperature), "stream": False}
-        if temperature:
-            body["top_p"] = 1.0
-        if seed is not None:
-            body["seed"] = int(seed)
+        body = chat_body(self.model, messages, max_tokens, temperature, seed, stream=False)
         reply = self.post("/v1/chat/completions", body, "finished conversations are kept and skipped")
         try:
             content = reply["choices"][0]["message"]["content"]

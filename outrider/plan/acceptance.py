@@ -9,7 +9,7 @@ k and extrapolates to other k by repeating the last measured rate."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from outrider.errors import UserError
 
@@ -38,18 +38,22 @@ def expected_tokens_alpha(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def alpha_from_tau(tau: float, k: int) -> float:
-    """The alpha for which ``expected_tokens_alpha(alpha, k) == tau`` (bisection; E rises with alpha)."""
-    if not 1.0 <= tau < k + 1:
-        raise UserError(f"tau {tau} is impossible with k={k} draft tokens: it must be >= 1 and < {k + 1}")
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
+def solve_rising(f: Callable[[float], float], target: float, lo: float, hi: float, iterations: int) -> float:
+    """The x in [lo, hi] where a rising ``f`` reaches ``target``, by ``iterations`` bisections."""
+    for _ in range(iterations):
         mid = (lo + hi) / 2
-        if expected_tokens_alpha(mid, k) < tau:
+        if f(mid) < target:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def alpha_from_tau(tau: float, k: int) -> float:
+    """The alpha for which ``expected_tokens_alpha(alpha, k) == tau`` (E rises with alpha)."""
+    if not 1.0 <= tau < k + 1:
+        raise UserError(f"tau {tau} is impossible with k={k} draft tokens: it must be >= 1 and < {k + 1}")
+    return solve_rising(lambda a: expected_tokens_alpha(a, k), tau, 0.0, 1.0, 100)
 
 
 @dataclass(frozen=True)

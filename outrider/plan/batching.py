@@ -30,7 +30,7 @@ import numpy as np
 
 from outrider.errors import UserError
 from outrider.plan import rates as R
-from outrider.plan.acceptance import Acceptance, expected_tokens_chain
+from outrider.plan.acceptance import Acceptance, expected_tokens_chain, solve_rising
 from outrider.plan.cost_model import Prediction
 
 MODES = ("lockstep", "continuous")
@@ -44,14 +44,8 @@ def multiplier_for(rates: Sequence[float], tau: float) -> float:
     """The c for which ``expected_tokens_chain(scaled(rates, c)) == tau`` (clipped to what k allows)."""
     if not rates or max(rates) <= 0:
         return 1.0
-    lo, hi = 0.0, 1.0 / min(a for a in rates if a > 0)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if expected_tokens_chain(scaled(rates, mid)) < tau:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return solve_rising(lambda c: expected_tokens_chain(scaled(rates, c)), tau, 0.0,
+                        1.0 / min(a for a in rates if a > 0), 60)
 
 
 def x_pmf(rates: Sequence[float]) -> np.ndarray:
@@ -171,14 +165,7 @@ class RoundsModel:
             rounds = [wi * n / t for wi, n, t in zip(w, lengths, taus)]
             return sum(r * t for r, t in zip(rounds, taus)) / sum(rounds)
 
-        lo, hi = 0.0, 4.0 / max(min(mults), 1e-3)
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            if pooled(mid) < self.tau:
-                lo = mid
-            else:
-                hi = mid
-        return (lo + hi) / 2
+        return solve_rising(pooled, self.tau, 0.0, 4.0 / max(min(mults), 1e-3), 50)
 
     def at(self, batch: int, mode: str = "lockstep") -> BatchRounds:
         if mode not in MODES:

@@ -24,7 +24,8 @@ import numpy as np
 from outrider.errors import UserError
 from outrider.plan.cost_model import ModelShape, allreduce_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
-from outrider.plan.trees import budget_of, is_tree_record
+from outrider.records import records_of
+from outrider.trees import budget_of
 
 # --------------------------------------------------------------------------------------------
 # Calibration
@@ -98,15 +99,14 @@ def _by_k(value: Any, record: Mapping[str, Any], what: str, origin: str) -> dict
     return {k: _ms(value, what, origin)}
 
 
-def _parse_timing_records(records: Any, context: int, origin: str):
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise UserError(f"{origin}: calibration needs a list of bench records (JSON objects)")
+def _parse_timing_records(data: Any, context: int, origin: str):
+    records = records_of(data, origin)
     points: list[tuple[int, int, int, float]] = []  # (n, b, c, seconds)
     drafts: dict[str, dict[int, float]] = {}
     by_batch: dict[str, dict[tuple[int, int], float]] = {}
     trees: dict[str, dict[tuple[int, int, int], float]] = {}
     trees_by_batch: dict[str, dict[tuple[tuple[int, int, int], int], float]] = {}
-    def batch_of(r: dict) -> int:
+    def batch_of(r: Mapping[str, Any]) -> int:
         b = r.get("batch", r.get("batch_size", 1))
         return b if isinstance(b, int) and not isinstance(b, bool) else 1
 
@@ -115,13 +115,13 @@ def _parse_timing_records(records: Any, context: int, origin: str):
         c = r.get("context", context)
         if not isinstance(b, int) or b < 1 or not isinstance(c, int) or c < 0:
             raise UserError(f"{origin}: 'batch' and 'context' must be integers (batch >= 1, context >= 0)")
-        plain = r.get("method") == "ar" or r.get("k") == 0  # an autoregressive record: its steps are n=1
-        if is_tree_record(r) and not plain:
-            budget = budget_of(r, f"{origin}: {r.get('method', '?')} tree record")
+        plain = r.method == "ar" or r.k == 0  # an autoregressive record: its steps are n=1
+        if r.tree is not None and not plain:
+            budget = budget_of(r, f"{origin}: {r.method} tree record")
             if budget.is_chain:
                 r = {**r, "k": budget.steps}  # topk 1: the chain of k = steps
             else:
-                key = (budget.topk, budget.steps, budget.draft_tokens)
+                key = budget.shape()
                 if r.get("ar_step_ms") is not None:
                     points.append((1, b, c, _ms(r["ar_step_ms"], "ar_step_ms", origin)))
                 if r.get("verify_step_ms") is not None:
@@ -193,7 +193,7 @@ def _fit_overheads(resid: list[float], regressors: list[list[float]], weights: l
     return best
 
 
-def calibrate(bench_records: list[dict], shape: ModelShape, hw: HardwareProfile, tp: int = 1,
+def calibrate(bench_records: list[Mapping[str, Any]], shape: ModelShape, hw: HardwareProfile, tp: int = 1,
               context: int = 2048, origin: str = "bench records") -> Calibration:
     """Fit memory/compute efficiency and the fixed overhead to measured step times.
 

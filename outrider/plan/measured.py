@@ -39,8 +39,9 @@ from outrider.plan.acceptance import Acceptance
 from outrider.plan.cost_model import ModelShape, forward_overhead_s, step_cost
 from outrider.plan.hardware import ACT_BYTES, HardwareProfile
 from outrider.plan.served_records import is_served
-from outrider.plan.trees import budget_of, is_tree_record
 from outrider.plan.served_records import measurements as served_measurements
+from outrider.records import record_of
+from outrider.trees import budget_of
 
 KEYS = ("decode_tokens_per_s", "collective_share", "collectives_per_token", "tp", "context", "source",
         "acceptance", "vllm_metrics", "sglang_metrics", "single_stream_tokens_per_s", "allreduce_share")
@@ -203,14 +204,15 @@ def read_measured(data: Any, origin: str = "measured", base: Path | None = None)
         recs = [recs] if isinstance(recs, Mapping) else recs
         if not isinstance(recs, list):
             raise UserError(f"{origin}: 'acceptance' must be bench records (a list of JSON objects)")
-        for r in recs:
-            if isinstance(r, Mapping) and is_tree_record(r):  # topk 1: the chain k = steps; wider: --acceptance
+        for i, r in enumerate(recs):
+            r = record_of(r, f"{origin}: 'acceptance' record {i}")
+            if r.tree is not None:  # topk 1: the chain k = steps; wider: --acceptance
                 budget = budget_of(r, f"{origin}: 'acceptance' tree record")
                 if not budget.is_chain:
                     raise UserError(f"{origin}: 'acceptance' holds a tree record ({budget.label()}): give tree "
                                     "records with --acceptance")
                 r = {**r, "k": budget.steps}
-            method, k = _method_k(r if isinstance(r, Mapping) else {}, "acceptance", origin)
+            method, k = _method_k(r, "acceptance", origin)
             if method != "ar":
                 accept.setdefault(method, {})[k or len(r.get("accept_rate_per_pos") or [])] = \
                     Acceptance.from_record(r, origin=origin)

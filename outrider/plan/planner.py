@@ -6,8 +6,8 @@ Contract:
   (``presets.PRESETS``: ``kimi-k2.5``, ``deepseek-v3``, ``gpt-oss-120b``, ``default`` =
   SmolLM2-135M). ``hardware`` is a built-in profile name or a profile JSON file
   (``hardware.load_profile``).
-- Acceptance per method comes from a bench JSON (``acceptance``: records with ``method``,
-  ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
+- Acceptance per method comes from a bench JSON (``acceptance``: records, read by
+  ``outrider.records``, with ``method``, ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
   low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed. Parallel drafting
   (method ``parallel``: one draft forward over k positions) is planned only from its records.
@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import read_json, write_json_output
@@ -79,8 +79,9 @@ from outrider.plan.hardware import (
 )
 from outrider.plan.measured import Fit, fit_profile, load_measured
 from outrider.plan.presets import resolve_target
-from outrider.plan.trees import TreeBudget, TreeEntry, budget_of, chain_budget, is_tree_record, predict_tree, \
-    sglang_launch, tree_entry
+from outrider.plan.trees import TreeEntry, predict_tree, sglang_launch, tree_entry
+from outrider.records import read_records, records_of
+from outrider.trees import TreeBudget, budget_of, shape_label, shape_of
 from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
@@ -134,16 +135,6 @@ class PlanResult:
         return max(cands, key=lambda p: p.speedup) if cands else None
 
 
-def _records(data: Any, path: str) -> list[dict]:
-    if isinstance(data, dict) and isinstance(data.get("records"), list):
-        data = data["records"]
-    if isinstance(data, dict) and "method" in data:
-        data = [data]
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise UserError(f"{path}: expected a list of bench records (JSON objects), as `outrider bench --json` writes")
-    return data
-
-
 def acceptance_from_bench(path: str) -> dict[str, dict[int, Acceptance]]:
     """method -> k -> Acceptance from a bench JSON; autoregressive records are skipped, tree records
     (``topk`` > 1) are left to ``trees_from_bench``, topk-1 ones are the chain k = steps."""
@@ -159,13 +150,11 @@ def bench_acceptance(path: str) -> tuple[dict[str, dict[int, Acceptance]], dict[
     """Chains (method -> k -> Acceptance) and trees (method -> budget -> TreeEntry) of a bench JSON."""
     out: dict[str, dict[int, Acceptance]] = {}
     trees: dict[str, dict[TreeBudget, TreeEntry]] = {}
-    for i, r in enumerate(_records(read_json(path, "acceptance"), path)):
-        method = r.get("method")
-        if not isinstance(method, str):
-            raise UserError(f"{path}: record {i} has no 'method'")
+    for i, r in enumerate(read_records(path, "acceptance")):
+        method = r.method
         if method == "ar":
             continue
-        if is_tree_record(r):
+        if r.tree is not None:
             where = f"{path}: record {i} ({method})"
             budget = budget_of(r, where)
             if not budget.is_chain:
@@ -186,7 +175,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_tau(r: dict[str, Any], k: int, where: str) -> None:
+def _check_tau(r: Mapping[str, Any], k: int, where: str) -> None:
     """Refuse a record whose tau breaks its definition: tokens emitted per verify step, so within
     [1, k+1], within what a step can emit under ``max_new_tokens`` (the prefill yields the first
     token), and, with the per-batch figures, at most the tokens the steps emitted."""
@@ -214,9 +203,9 @@ def _check_tau(r: dict[str, Any], k: int, where: str) -> None:
 
 def _spread(path: str) -> RowSpread | None:
     """Rows of the first batch-1 record with per-prompt tau and steps (``bench`` writes them)."""
-    for r in _records(read_json(path, "acceptance"), path):
+    for r in read_records(path, "acceptance"):
         taus, steps = r.get("tau_per_batch"), r.get("row_steps_per_batch")
-        if (r.get("batch_size", 1) == 1 and r.get("method") in METHODS and not is_tree_record(r) and isinstance(taus, list)
+        if (r.get("batch_size", 1) == 1 and r.method in METHODS and r.tree is None and isinstance(taus, list)
                 and isinstance(steps, list) and len(taus) == len(steps) >= 4):
             acc = Acceptance.from_record(r, origin=Path(path).name)
             return spread_from_bench(acc.rates, taus, steps, int(r.get("max_new_tokens", 128)),
@@ -271,7 +260,7 @@ def _load_calibration(path: str, shape: ModelShape, hw: HardwareProfile, tp: int
                             f"(allowed: {', '.join(sorted(allowed))})")
         return calibrate_measured(shape, hw, tp, data["single_stream_tokens_per_s"], data.get("allreduce_share"),
                                   data.get("collectives_per_token"), context, origin=name)
-    return fit_calibration(_records(data, path), shape, hw, tp, context, origin=name)
+    return fit_calibration(records_of(data, path), shape, hw, tp, context, origin=name)
 
 
 def _term_list(terms: list[tuple[str, float]]) -> str:
@@ -293,15 +282,15 @@ def _tree_acceptance(entry: TreeEntry) -> Acceptance:
 def _option(p: Prediction, sep: str = " with ") -> str:
     """A row's method and its setting: k, or a tree's budget."""
     if p.draft_kind == "tree" and p.tree:
-        return f"{p.method} topk={p.tree[0]} steps={p.tree[1]} draft_tokens={p.tree[2]}"
+        return f"{p.method} {shape_label(p.tree)}"
     return f"{p.method}{sep}k={p.k}"
 
 
 def _launch(p: Prediction) -> Prediction:
     """Name a chain or parallel row's serving settings (trees name theirs in ``predict_tree``)."""
     if p.method == "eagle3" and p.draft_kind == "chain":
-        b = chain_budget(p.k)
-        return replace(p, tree=(b.topk, b.steps, b.draft_tokens), launch=sglang_launch(b))
+        shape = shape_of(None, p.k)
+        return replace(p, tree=shape, launch=sglang_launch(shape))
     if p.method == "parallel":
         return replace(p, launch=f"vLLM --speculative-config '{{\"method\": \"eagle3\", \"model\": HEAD, "
                                  f"\"num_speculative_tokens\": {p.k}, \"parallel_drafting\": true}}'")

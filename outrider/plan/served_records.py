@@ -5,7 +5,7 @@ measurement files; ``measurements(records, origin)`` turns them into the JSON ob
 ``plan.measured.read_measured`` reads: ``decode_tokens_per_s`` by concurrency from the plain
 records (a baseline server, or a server whose engine shows no speculation: ``method`` ``ar``),
 their ``tokens_per_s`` (all requests' tokens over the level's wall time, prefill included), and
-``acceptance`` from the speculative records (tau and acceptance per position from the engine's
+``acceptance`` from the speculative records (read by ``outrider.records``) (tau and acceptance per position from the engine's
 counters, the lowest concurrency's per method and k). A failed level's records are skipped;
 a file with nothing usable is a ``UserError``. Step times for ``plan --calibrate`` need no
 conversion: the records carry ``ar_step_ms`` / ``verify_step_ms`` at their ``batch``.
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from outrider.errors import UserError
+from outrider.records import records_of
 
 
 def is_served(data: Any) -> bool:
@@ -25,19 +26,19 @@ def is_served(data: Any) -> bool:
                                                          for r in data)
 
 
-def measurements(records: list[dict[str, Any]], origin: str) -> dict[str, Any]:
+def measurements(data: list[Any], origin: str) -> dict[str, Any]:
     decode: dict[str, float] = {}
     accept: dict[tuple[str, int], dict[str, Any]] = {}
+    records = records_of(data, origin)
     for r in sorted(records, key=lambda r: r.get("concurrency", 0)):
         if r.get("failed") or not r.get("completed"):
             continue
-        c, tps = r.get("concurrency"), r.get("tokens_per_s")
-        if r.get("tau") is None:
-            if isinstance(c, int) and isinstance(tps, (int, float)) and tps > 0:
-                decode.setdefault(str(c), float(tps))
-        elif r.get("method") and isinstance(r.get("k"), int) and r["k"] >= 1:
-            accept.setdefault((str(r["method"]), r["k"]), {key: r[key] for key in
-                                                           ("method", "k", "tau", "accept_rate_per_pos")})
+        c, tps = r.get("concurrency"), r.tokens_per_s
+        if r.tau is None:
+            if isinstance(c, int) and tps is not None and tps > 0:
+                decode.setdefault(str(c), tps)
+        elif r.k is not None and r.k >= 1:
+            accept.setdefault((r.method, r.k), {key: r[key] for key in ("method", "k", "tau", "accept_rate_per_pos")})
     if not decode and not accept:
         raise UserError(f"{origin}: no completed served level to plan from (rerun `outrider bench --server`)")
     out: dict[str, Any] = {"source": f"{origin} (served: {', '.join(sorted({str(r.get('engine')) for r in records}))})"}

@@ -1,13 +1,8 @@
-"""EAGLE-2 draft trees in the planner: SGLang's budget, tree bench records, a tree round's cost.
+"""EAGLE-2 draft trees in the planner: tree bench records, a tree round's cost.
 
 Contract:
-- ``TreeBudget(topk, steps, draft_tokens)`` is SGLang's budget (``--speculative-eagle-topk``,
-  ``--speculative-num-steps``, ``--speculative-num-draft-tokens``; verified per round, root
-  included); ``check`` enforces 2 <= draft_tokens <= 1 + topk + (steps - 1) topk^2 (SGLang's
-  bound) and, at topk 1, draft_tokens = steps + 1: a chain of k is (1, k, k + 1).
-- ``budget_of(record)`` reads a bench record's tree: ``topk``/``steps``/``draft_tokens``, or
-  ``tree_paths`` (vLLM's static tree string: draft_tokens = nodes + 1, steps = depth, topk = the
-  most children of any node); ``verified_tokens``, if present, must equal ``draft_tokens``.
+- The budget (``TreeBudget``) and a record's tree (``budget_of``: ``topk``/``steps``/``draft_tokens``
+  or ``tree_paths``) are ``outrider.trees``'s.
 - ``tree_entry(record)`` validates a tree record's ``tau`` (required: tokens per target forward,
   bonus included, within [1, min(steps, draft_tokens - 1) + 1]) and ``accept_rate_per_pos``
   (optional: per depth, the fraction of rounds that accepted at least d nodes).
@@ -23,7 +18,6 @@ budgets are planned), tree shapes beyond the budget (which nodes SGLang keeps).
 
 from __future__ import annotations
 
-import ast
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -39,110 +33,12 @@ from outrider.plan.cost_model import (
     step_cost,
 )
 from outrider.plan.hardware import HardwareProfile
-
-SGLANG_FLAGS = ("--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens")
-
-
-@dataclass(frozen=True, order=True)
-class TreeBudget:
-    """SGLang's EAGLE-2 budget: ``topk`` children per expanded node, ``steps`` draft forwards (levels),
-    ``draft_tokens`` verified per round, root included."""
-
-    topk: int
-    steps: int
-    draft_tokens: int
-
-    @property
-    def max_draft_tokens(self) -> int:
-        """Root + topk at level 1 + topk^2 candidates at each later level (SGLang's bound)."""
-        return 1 + self.topk + (self.steps - 1) * self.topk ** 2
-
-    @property
-    def is_chain(self) -> bool:
-        return self.topk == 1
-
-    def check(self, where: str) -> "TreeBudget":
-        for name in ("topk", "steps", "draft_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"{where}: '{name}' must be an integer >= 1, got {v!r}")
-        if not 2 <= self.draft_tokens <= self.max_draft_tokens:
-            raise UserError(f"{where}: draft_tokens {self.draft_tokens} is impossible for topk {self.topk}, steps "
-                            f"{self.steps}: it must lie in [2, 1 + topk + (steps - 1) topk^2 = {self.max_draft_tokens}]")
-        if self.topk == 1 and self.draft_tokens != self.steps + 1:
-            raise UserError(f"{where}: topk 1 is a chain: draft_tokens must be steps + 1 = {self.steps + 1} (SGLang sets "
-                            f"it so), got {self.draft_tokens}")
-        return self
-
-    def flags(self) -> str:
-        """The budget as SGLang's launch flags."""
-        return " ".join(f"{f} {v}" for f, v in zip(SGLANG_FLAGS, (self.topk, self.steps, self.draft_tokens)))
-
-    def label(self) -> str:
-        return f"topk={self.topk} steps={self.steps} draft_tokens={self.draft_tokens}"
+from outrider.trees import TreeBudget, budget_of, sglang_flags
 
 
-def chain_budget(k: int) -> TreeBudget:
-    """A chain of k drafts in SGLang's terms: (1, k, k + 1)."""
-    return TreeBudget(1, k, k + 1)
-
-
-def sglang_launch(budget: TreeBudget) -> str:
-    return f"--speculative-algorithm EAGLE3 {budget.flags()}"
-
-
-def parse_tree_paths(text: Any, where: str) -> TreeBudget:
-    """vLLM's ``speculative_token_tree`` string (paths of child ranks from the root, every prefix
-    present) -> the budget it spends: draft_tokens = nodes + 1, steps = depth, topk = most children."""
-    try:
-        paths = ast.literal_eval(text) if isinstance(text, str) else text
-    except (ValueError, SyntaxError):
-        raise UserError(f"{where}: 'tree_paths' is not a list of tuples such as \"[(0,), (1,), (0, 0)]\": {text!r}") from None
-    if (not isinstance(paths, (list, tuple)) or not paths
-            or not all(isinstance(p, (list, tuple)) and p and all(isinstance(c, int) and not isinstance(c, bool)
-                                                                   and c >= 0 for c in p) for p in paths)):
-        raise UserError(f"{where}: 'tree_paths' must be a non-empty list of paths of child ranks >= 0, got {text!r}")
-    nodes = {tuple(p) for p in paths}
-    if len(nodes) != len(paths):
-        raise UserError(f"{where}: 'tree_paths' repeats a path")
-    children: dict[tuple[int, ...], int] = {}
-    for p in nodes:
-        if len(p) > 1 and p[:-1] not in nodes:
-            raise UserError(f"{where}: 'tree_paths' has {p} but not its parent {p[:-1]}: every prefix must be present")
-        children[p[:-1]] = max(children.get(p[:-1], 0), p[-1] + 1)
-    topk = max(children.values())
-    steps = max(len(p) for p in nodes)
-    return TreeBudget(topk, steps, len(nodes) + 1)
-
-
-def _int_field(r: Mapping[str, Any], name: str, where: str) -> int:
-    v = r.get(name)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise UserError(f"{where}: tree record needs an integer '{name}', got {v!r}")
-    return v
-
-
-def is_tree_record(r: Mapping[str, Any]) -> bool:
-    return r.get("topk") is not None or r.get("tree_paths") is not None
-
-
-def budget_of(r: Mapping[str, Any], where: str) -> TreeBudget:
-    """The checked budget of a tree record (``topk``/``steps``/``draft_tokens`` or ``tree_paths``)."""
-    if r.get("tree_paths") is not None:
-        budget = parse_tree_paths(r["tree_paths"], where)
-        for name in ("topk", "steps", "draft_tokens"):
-            if r.get(name) is not None and r.get(name) != getattr(budget, name):
-                raise UserError(f"{where}: '{name}' {r.get(name)!r} disagrees with its tree_paths ({budget.label()})")
-    else:
-        topk = _int_field(r, "topk", where)
-        if topk < 1:
-            raise UserError(f"{where}: 'topk' must be >= 1, got {topk}")
-        budget = TreeBudget(topk, _int_field(r, "steps", where), _int_field(r, "draft_tokens", where))
-    budget.check(where)
-    verified = r.get("verified_tokens")
-    if verified is not None and verified != budget.draft_tokens:
-        raise UserError(f"{where}: 'verified_tokens' {verified!r} must equal draft_tokens {budget.draft_tokens}")
-    return budget
+def sglang_launch(shape: tuple[int, int, int]) -> str:
+    """SGLang's EAGLE-3 flags for (topk, steps, draft_tokens)."""
+    return f"--speculative-algorithm EAGLE3 {sglang_flags(shape)}"
 
 
 @dataclass(frozen=True)
@@ -186,7 +82,7 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     round of one token, fc included), each later one over ``topk`` nodes per sequence.
     A measured round for this budget (``DraftSpec.measured_tree_round*``) replaces the model; a
     topk-1 budget is the chain round of k = steps."""
-    key = (budget.topk, budget.steps, budget.draft_tokens)
+    key = budget.shape()
     measured = draft.measured_tree_round_by_batch.get((key, batch), draft.measured_tree_round_s.get(key))
     if measured is not None:
         return StepCost((Term("draft (measured)", measured, bound="overhead"),), budget.draft_tokens - 1, batch, context)
@@ -211,6 +107,6 @@ def predict_tree(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, budge
     ar_tps = batch / ar.total_s
     return Prediction(method, budget.draft_tokens - 1, batch, tau, ar.total_s, verify.total_s, drafting.total_s,
                       spec_tps, ar_tps, spec_tps / ar_tps, verify.total_s / ar.total_s, verify, drafting,
-                      draft_kind="tree", tree=(budget.topk, budget.steps, budget.draft_tokens),
-                      launch=sglang_launch(budget))
+                      draft_kind="tree", tree=budget.shape(),
+                      launch=sglang_launch(budget.shape()))
 

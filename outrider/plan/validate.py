@@ -10,7 +10,6 @@ speedups are the records' own. Used by ``benchmarks/planner_batches.py``.
 from __future__ import annotations
 
 import io
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.batching import RoundsModel, spread_from_bench
 from outrider.plan.planner import plan
+from outrider.records import write_records
 
 
 def lockstep_rows(records: dict[int, dict], max_new: int, ar_chunk: int) -> list[dict]:
@@ -46,8 +46,8 @@ def planner_rows(records: dict[int, dict], batching: str, max_new: int) -> dict[
     """Per batch size: the planner's speedup, its acceptance from the batch-1 record, calibrated on them all."""
     with tempfile.TemporaryDirectory() as tmp:
         acc, cal = Path(tmp) / "batch1.json", Path(tmp) / "all.json"
-        acc.write_text(json.dumps([records[1]]))
-        cal.write_text(json.dumps(list(records.values())))
+        write_records(acc, [records[1]])
+        write_records(cal, list(records.values()))
         result = plan("default", "h200", acceptance=str(acc), calibrate=str(cal), ks=[records[1]["k"]],
                       batches=sorted(records), batching=batching, new_tokens=max_new, console=Console(file=io.StringIO()))
     return {p.batch: p.speedup for p in result.predictions if p.method == records[1]["method"]}

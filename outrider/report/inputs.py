@@ -7,8 +7,9 @@ kind, the device, date and commit it states: ``None`` where the record does not 
   ``metrics.jsonl`` (``.gz``) file itself. A line that is not a JSON object is refused (one line
   naming file and line), except the last line, which a run killed mid-write leaves cut: it is
   skipped and a note says so;
-- bench records (``outrider bench --json``: a list of objects with ``method`` and ``tau``), served
-  ones among them (``bench --server``: ``kind: served``, a record per concurrency);
+- bench records (``outrider bench --json``: a list of objects with ``method`` and ``tau``, read by
+  ``outrider.records``), served ones among them (``bench --server``: ``kind: served``, a record per
+  concurrency);
 - a plan's rows (``outrider plan --json``: objects with ``method``, ``k``, ``batch``, ``speedup``);
 - a training plan (``outrider plan --train --json``: an object with ``stages`` and ``sizes``);
 - a demo folder (``outrider demo --out``): its ``train/`` run and its ``bench.json``.
@@ -27,6 +28,7 @@ from typing import Any
 
 from outrider.errors import UserError
 from outrider.outputs import kind_of
+from outrider.records import records_of
 
 KINDS = "a training run folder, bench records, a plan's or a training plan's JSON, or a demo folder"
 
@@ -160,12 +162,11 @@ def _add_file(inputs: Inputs, path: Path) -> None:
     if isinstance(data, dict) and "method" in data and "tau" in data:
         data = [data]
     if _is_records(data, "method", "tau"):
-        for r in data:
-            served = r.get("kind") == "served"
-            device = f"{r.get('engine', '?')} {r.get('engine_version') or ''} at {r.get('server', '?')}" if served \
-                else r.get("device")
-            src = inputs.source(path, "served" if served else "bench", device, r.get("date"), r.get("git_commit"))
-            (inputs.served if served else inputs.bench).append((r, src))
+        for r in records_of(data, str(path)):
+            device = f"{r.get('engine', '?')} {r.get('engine_version') or ''} at {r.get('server', '?')}" if r.served \
+                else r.device
+            src = inputs.source(path, r.kind, device, r.date, r.git_commit)
+            (inputs.served if r.served else inputs.bench).append((r, src))
     elif _is_records(data, "method", "k", "batch", "speedup"):
         first = data[0]
         inputs.plans.append((data, inputs.source(path, "plan", _plan_device(first), first.get("date"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.interop.openai_api import base_url, served_model, short
+from outrider.interop.openai_api import base_url, chat_body, served_model, short
 
 
 @dataclass
@@ -114,13 +114,7 @@ class Endpoint:
 
     def stream(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
                seed: int | None = None) -> Reply:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
-                                "temperature": float(temperature), "stream": True,
-                                "stream_options": {"include_usage": True}}
-        if temperature:
-            body["top_p"] = 1.0
-        if seed is not None:
-            body["seed"] = int(seed)
+        body = chat_body(self.model, messages, max_tokens, temperature, seed, stream=True)
         r = Reply(sent=time.perf_counter())
         try:
             with self._open("/v1/chat/completions", body) as resp:

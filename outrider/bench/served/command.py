@@ -16,15 +16,17 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import read_json, write_json_output
+from outrider.records import read_records, write_records
 from outrider.bench.served import measure as served
 from outrider.bench.served import offline
 
 
 def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | None, texts: Sequence[str],
-                    max_new_tokens: int, k: int, device: str | None, dtype: str | None, console) -> None:
+                    max_new_tokens: int, k: int, device: str | None, dtype: str | None, console,
+                    method: str) -> None:
     spec_k = next((r["k"] for r in records if r.get("tau") is not None and r.get("k")), k)
-    local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype)
+    local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype,
+                              method="parallel" if method == "parallel" else "eagle3")
     checks = []
     if draft is not None:
         from outrider.interop import inspect as compat
@@ -64,11 +66,11 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
     records, failure = served.served_bench(server, texts, concurrency, max_new_tokens, model, baseline,
                                            baseline_model, temperature, seed, timeout, method, json_path, log)
     if target is not None and failure is None:
-        _offline_fields(records, target, draft, texts, max_new_tokens, k, device, dtype, console)
+        _offline_fields(records, target, draft, texts, max_new_tokens, k, device, dtype, console, method)
     if console is not None and records:
         served.print_table(records, console)
     if json_path and records:
-        write_json_output(json_path, records)
+        write_records(json_path, records)
     if failure is not None:
         kept = f"; the levels measured so far are in {json_path}" if json_path and json_path != "-" else ""
         raise UserError(failure + kept)
@@ -76,16 +78,9 @@ def bench_served(server: str, concurrency: Sequence[int], prompts: str = "shareg
 
 
 def compare_files(a: str, b: str, console=None, json_path: str | None = None) -> list[dict[str, Any]]:
-    records = served.compare(_records(a), _records(b))
+    records = served.compare(read_records(a, "served records"), read_records(b, "served records"))
     if console is not None:
         served.print_table(records, console)
     if json_path:
-        write_json_output(json_path, records)
+        write_records(json_path, records)
     return records
-
-
-def _records(path: str) -> list[dict[str, Any]]:
-    data = read_json(path, "served records")
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise UserError(f"{path}: expected the list of records `outrider bench --server --json` writes")
-    return data

@@ -31,11 +31,11 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from outrider.errors import UserError
-from outrider.fsutil import write_json_output
 from outrider.provenance import git_commit, today
+from outrider.records import new_record, write_records
 from outrider.bench.served.client import Endpoint, Reply
 from outrider.bench.served.metrics import Served, acceptance, engine_of, parse_exposition
 
@@ -127,7 +127,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
         after = _scrape(ep, reachable=False)  # a server that died in the level: its records are still kept
         served = acceptance(engine, before, after, sglang_k if isinstance(sglang_k, int) else None)
         before = after
-        rec = {"kind": "served", "role": role, "server": ep.base, "model": name, "engine": engine or "unknown",
+        rec: dict[str, Any] = {"kind": "served", "role": role, "server": ep.base, "model": name, "engine": engine or "unknown",
                "engine_version": version, "method": method if served.tau is not None else "ar",
                "num_prompts": len(texts), "max_in_flight": min(c, len(texts)), "max_new_tokens": max_tokens,
                "temperature": temperature, "timeout_s": timeout}
@@ -136,7 +136,7 @@ def run_server(server: str, texts: Sequence[str], concurrency: Sequence[int], ma
             rec["k"] = 0  # as far as the engine tells: plain decoding
         rec.update({"device": f"served ({engine or 'unknown engine'})", "dtype": None,
                     "date": today(), "git_commit": commit})
-        records.append(rec)
+        records.append(new_record("served", rec))
         if log is not None:
             short = f" (only {len(texts)} prompts: at most {len(texts)} in flight; raise --num-prompts)" \
                 if c > len(texts) else ""
@@ -171,7 +171,7 @@ def served_bench(server: str, texts: Sequence[str], concurrency: Sequence[int], 
         def write(records: list[dict[str, Any]]) -> None:
             results[role] = list(records)
             if json_path and json_path != "-":
-                write_json_output(json_path, results["server"] + results["baseline"])
+                write_records(json_path, results["server"] + results["baseline"])
         return write
 
     def failed(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -195,10 +195,11 @@ def served_bench(server: str, texts: Sequence[str], concurrency: Sequence[int], 
         f"{bad['server']} (first: {bad['errors'][0]})")
 
 
-def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records of run ``a`` with ``speedup_vs_baseline`` over run ``b`` at each shared concurrency."""
+def compare(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Records of run ``a`` with ``speedup_vs_baseline`` over run ``b`` at each shared concurrency
+    (``records.Record``s or their JSON form)."""
     for recs, name in ((a, "first"), (b, "second")):
-        if not recs or not all(isinstance(r, dict) and r.get("kind") == "served" for r in recs):
+        if not recs or not all(r.get("kind") == "served" for r in recs):
             raise UserError(f"--compare: the {name} file holds no served records (write them with "
                             "`outrider bench --server URL --json F`)")
     out = [dict(r) for r in a]

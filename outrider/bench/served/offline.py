@@ -1,11 +1,12 @@
 """Served vs offline: the same prompts decoded here, greedy and with the head the server loaded.
 
 Contract:
-- ``local_run(target, texts, max_new_tokens, draft=None, k=3)`` loads the target once, renders
-  each prompt with its chat template (``bench.local.render_prompt``, as the server's chat
-  endpoint does), and decodes greedily with our engine at batch 1: the plain outputs (text and
-  ids) and, with ``draft`` (an EAGLE-3 head folder), the head's walked tau and acceptance per
-  position over the same prompts at ``k`` (our engine's decode: every step's accepted drafts), and
+- ``local_run(target, texts, max_new_tokens, draft=None, k=3, method="eagle3")`` loads the target
+  once, renders each prompt with its chat template (``bench.local.render_prompt``, as the server's
+  chat endpoint does), and decodes greedily with our engine at batch 1: the plain outputs (text and
+  ids) and, with ``draft`` (the head folder of ``method``, loaded by ``interop.drafts``), the
+  head's walked tau and acceptance per position over the same prompts at ``k`` (our engine's
+  decode: every step's accepted drafts), and
   ``uncut_tau``, the same counted as the engines' counters count it (a step cut by
   ``max_new_tokens`` or EOS keeps every draft the verifier accepted): the figure a served tau equals.
 - ``compare_outputs(served, local)`` says per prompt whether the served text equals ours, and
@@ -49,10 +50,12 @@ class LocalRun:
 
 
 def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str | None = None, k: int = 3,
-              device: str | None = None, dtype: str | None = None) -> LocalRun:
-    from outrider.bench.local import load_eagle3_head, render_prompt
+              device: str | None = None, dtype: str | None = None, method: str = "eagle3") -> LocalRun:
+    from outrider.bench.local import render_prompt
     from outrider.decode.engine import SpecEngine, eos_token_ids
-    from outrider.decode.proposers.eagle3 import Eagle3Proposer
+    from outrider.decode.proposers import PROPOSERS
+    from outrider.decode.state import GenerationResult
+    from outrider.interop.drafts import build_proposer
     from outrider.models import load_model
 
     model, tok = load_model(target, device=device, dtype=dtype)
@@ -62,15 +65,12 @@ def local_run(target: str, texts: Sequence[str], max_new_tokens: int, draft: str
     out_ids = [plain.generate([p], max_new_tokens).tokens[0] for p in prompts]
     run = LocalRun(prompts, [tok.decode(o, skip_special_tokens=True) for o in out_ids], out_ids)
     if draft is not None:
-        head = load_eagle3_head(draft, model)
-        spec = SpecEngine(model, Eagle3Proposer(head, model), k=k, eos_ids=eos, graphs=False, compile=False)
-        results = [spec.generate([p], max_new_tokens) for p in prompts]
-        row_steps = sum(r.row_steps for r in results)
-        accepted = [sum(r.accepted[i] for r in results) for i in range(k)]
-        proposed = [sum(r.proposed[i] for r in results) for i in range(k)]
-        run.tau = 1.0 + sum(accepted) / row_steps if row_steps else None
-        run.uncut_tau = 1.0 + sum(r.uncut_accepted for r in results) / row_steps if row_steps else None
-        run.accept_rate_per_pos = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+        proposer = build_proposer(method, PROPOSERS[method], model, tok, draft)
+        spec = SpecEngine(model, proposer, k=k, eos_ids=eos, graphs=False, compile=False)
+        pooled = GenerationResult.pooled([spec.generate([p], max_new_tokens) for p in prompts])
+        run.tau = pooled.tau if pooled.row_steps else None
+        run.uncut_tau = pooled.uncut_tau if pooled.row_steps else None
+        run.accept_rate_per_pos = pooled.accept_rate_per_pos
         run.k = k
     return run
 

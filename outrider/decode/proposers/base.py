@@ -54,7 +54,7 @@ class Proposer:
     # True: ``propose_device`` drafts greedily with plain device operations (no graph replay, no
     # host value), so the engine may run whole rounds on the device (``decode.strategies.rounds``)
     device_rounds = False
-    tree = None  # a draft tree's shape (``ops.tree``: TreeBudget or StaticTree); None: chains
+    tree = None  # a draft tree's spec (``outrider.trees``: TreeBudget or StaticTree); None: chains
 
     def round_shape(self, k: int) -> tuple[int, int]:
         """(nodes verified, greatest depth) of a round drafted with ``k``: a chain's (k, k)."""

@@ -1,7 +1,7 @@
 """A separate (smaller) causal LM that drafts k tokens autoregressively.
 
 Contract: the draft model shares the target's tokenizer and vocabulary (checked by the caller,
-``engine.check_pair``). It keeps its own ``CachedLM``; tokens the target has committed but the
+``interop.drafts.check_pair``). It keeps its own ``CachedLM``; tokens the target has committed but the
 draft has not yet seen are *pending* per row (1 after a rejection, 2 when all k drafts were
 accepted: the last draft and the bonus token). Each ``propose`` first feeds the pending tokens
 (ragged, right-aligned, padding masked), then k-1 single-token steps. Guesses the target

@@ -31,15 +31,14 @@ from __future__ import annotations
 import torch
 
 from outrider.ops.graphs import capture_graph, compiled
-from outrider.ops.tree import StaticTree, TreeBudget
 from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import Outcome, Proposer, StartContext
+from outrider.decode.proposers.head_cache import HeadCache, head_step
 from outrider.decode.proposers.tree_draft import TreeDrafter, tree_slots
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
+from outrider.trees import StaticTree, TreeSpec
 
-SLOT_ALIGN = 64  # the head cache's slot count is a multiple of this: an odd count draws an unaligned (slow) GEMM
-# for the draft step's scores
 # With graphs a prompt's pending block is padded on the left to a multiple of PROMPT_BUCKET, like the target's
 # prompt, and a request's first draft replays as a graph per width (eager, it costs about as much as a few
 # rounds of drafting), up to
@@ -47,54 +46,12 @@ PROMPT_GRAPH_TOKENS = 4096  # batch x width positions,
 PROMPT_GRAPHS_MAX = 16  # widths per batch size (eager beyond: each graph keeps its memory)
 
 
-class HeadCache:
-    """Keys ``[batch, kv_heads, slots, head_dim]`` and values ``[batch, kv_heads, slots, v_head_dim]``
-    of the head's single layer (an MLA head's per-head keys and values), ``slots`` the first
-    multiple of ``SLOT_ALIGN`` above ``max_len``.
-
-    Slot ``s < max_len`` holds position ``s``; slot ``max_len`` is scratch for padding entries;
-    ``tree_slots`` slots after it hold a draft tree's nodes (``tree_draft``); the slots after those
-    stay masked. ``write`` sets where the next ``update`` scatters (``[batch, n]``
-    slots). The buffers exist from the start, so a compiled step sees the same tensors (and
-    guards) on every call. ``window`` > 0: a query at p sees slots p - window + 1 .. p only.
-    """
-
-    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, v_head_dim: int | None = None, window: int = 0, tree_slots: int = 0):
-        self.max_len, self.window = max_len, window
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
-        self.tree_base = max_len + 1  # a draft tree's nodes write slots tree_base.. (seen by their descendants only)
-        self.tree_slots = tree_slots
-        size = -(-(max_len + 1 + tree_slots) // SLOT_ALIGN) * SLOT_ALIGN  # slots past these are never seen
-        self.slots = torch.arange(size, device=device)  # [size]
-        self.write: torch.Tensor | None = None
-        self.keys = torch.zeros(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(batch, kv_heads, size, v_head_dim or head_dim, dtype=dtype, device=device)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        # k: [batch, kv_heads, n, head_dim]; v: [batch, kv_heads, n, v_head_dim]
-        idx = self.write[:, None, :, None]
-        self.keys.scatter_(2, idx.expand_as(k), k)
-        self.values.scatter_(2, idx.expand_as(v), v)
-        return self.keys, self.values
-
-    def mask(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Boolean mask ``[batch, 1, n, slots]``: a real query at p sees slots <= p."""
-        # positions, valid: [batch, n]
-        sees = self.slots[None, None, :] <= positions[:, :, None]
-        sees &= self.slots[None, None, :] < self.max_len
-        if self.window:
-            sees &= self.slots[None, None, :] > positions[:, :, None] - self.window
-        scratch = (self.slots == self.max_len)[None, None, :] & ~valid[:, :, None]  # padding sees scratch only
-        return torch.where(valid[:, :, None], sees, scratch)[:, None]
-
-
 class Eagle3Proposer(Proposer):
     name = "eagle3"
     device_side = True
     device_rounds = True
 
-    def __init__(self, head: torch.nn.Module, target: torch.nn.Module, tree: TreeBudget | StaticTree | None = None):
+    def __init__(self, head: torch.nn.Module, target: torch.nn.Module, tree: TreeSpec | None = None):
         self.head = head
         self.tree = tree  # draft trees of this shape instead of chains (``tree_draft``)
         self.embedding = target.get_input_embeddings()
@@ -106,16 +63,12 @@ class Eagle3Proposer(Proposer):
         self._static_shape: Draft | None = None  # a static tree's structure on the device (parents, ancestry)
 
     @classmethod
-    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeBudget | StaticTree | None = None,
+    def build(cls, target: torch.nn.Module, draft: torch.nn.Module = None, tree: TreeSpec | None = None,
               **options: object) -> "Eagle3Proposer":
         return cls(draft, target) if tree is None else cls(draft, target, tree=tree)
 
     def round_shape(self, k: int) -> tuple[int, int]:
-        if isinstance(self.tree, TreeBudget):
-            return self.tree.nodes, self.tree.steps
-        if isinstance(self.tree, StaticTree):
-            return self.tree.size, self.tree.depth
-        return k, k
+        return (k, k) if self.tree is None else (self.tree.nodes, self.tree.steps)
 
     def start(self, ctx: StartContext) -> None:
         super().start(ctx)
@@ -207,13 +160,9 @@ class Eagle3Proposer(Proposer):
         (the right-aligned newest pair: the only hidden_out the chain reads)."""
         if fuse:
             hidden = self.head.fuse(hidden.to(self.head.fc.weight.dtype))  # [batch, n, H]
-        before = valid.long().cumsum(1) if valid.shape[1] > 1 else valid.long()  # [batch, n] real pairs up to each
-        positions = cache.lengths[:, None] + before - 1 + offset  # [batch, n]
-        cache.write = torch.where(valid, positions, cache.max_len)
-        q, k, v = self.head.before_attention(self.embedding(tokens), hidden, positions.clamp_min(0))
+        positions = cache.place(valid, offset)  # [batch, n]
         mask = cache.mask(positions[:, -1:], valid[:, -1:])  # [batch, 1, 1, slots]
-        attended = self.head.attend(q[:, :, -1:], k, v, mask, cache)  # [batch, 1, heads * d]
-        return self.head.after_attention(hidden[:, -1:], attended)  # [batch, 1, H]
+        return head_step(self.head, self.embedding, cache, tokens, hidden, positions, mask)  # [batch, 1, H]
 
     def _link_greedy(self, cache: HeadCache, h: torch.Tensor, ones: torch.Tensor, offset: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,15 +239,15 @@ class Eagle3Proposer(Proposer):
         h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
         drafter = TreeDrafter(self.head, self.embedding, self.cache, self.tree)
         tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N], [N] or [batch, N]
-        nodes, levels = self.round_shape(0)
+        nodes, steps = self.tree.nodes, self.tree.steps
         num = torch.full((nxt.shape[0],), nodes, device=self.dev)
         if isinstance(self.tree, StaticTree):  # one shape for every row: its ancestry computed once per request
             if self._static_shape is None or self._static_shape.tokens.device != self.dev:
-                self._static_shape = Draft(tokens, parents, num, depth=levels, width=self.tree.shape()[0])
+                self._static_shape = Draft(tokens, parents, num, depth=steps, width=self.tree.topk)
             shape = self._static_shape
-            return Draft(tokens, shape.parents, num, depth=levels, width=shape.width, ancestors=shape.ancestors,
+            return Draft(tokens, shape.parents, num, depth=steps, width=shape.width, ancestors=shape.ancestors,
                          depths=shape.depths)
-        return Draft(tokens, parents, num, None, depth=levels, width=self.tree.topk)
+        return Draft(tokens, parents, num, None, depth=steps, width=self.tree.topk)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""

@@ -25,6 +25,7 @@ import torch
 from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
+from outrider.decode.proposers.head_cache import head_step
 from outrider.decode.sampling import probs, sample
 
 
@@ -53,14 +54,11 @@ class ParallelProposer(Eagle3Proposer):
             hidden = torch.cat([hidden, mask_h.to(hidden.dtype)], dim=1)  # [batch, n+k-1, H]
             tokens = torch.cat([nxt, mask_ids], dim=1)
             valid = torch.cat([valid, valid.new_ones(B, k - 1)], dim=1)
-        before = valid.long().cumsum(1)  # [batch, n+k-1] real or placeholder positions up to each
-        positions = cache.lengths[:, None] + before - 1  # placeholders at P+1 .. P+k-1
-        cache.write = torch.where(valid, positions, cache.max_len)
-        q, kk, v = head.before_attention(self.embedding(tokens), hidden, positions.clamp_min(0))
+        positions = cache.place(valid)  # [batch, n+k-1]: placeholders at P+1 .. P+k-1
         mask = cache.mask(positions[:, -k:], valid[:, -k:])  # [batch, 1, k, slots]
-        attended = head.attend(q[:, :, -k:], kk, v, mask, cache)  # [batch, k, heads * d_v]
+        out = head_step(head, self.embedding, cache, tokens, hidden, positions, mask)  # [batch, k, H]
         cache.lengths += valid[:, : nxt.shape[1]].sum(1)  # only the real pairs are committed
-        return head.after_attention(hidden[:, -k:], attended)  # [batch, k, H]
+        return out
 
     def _draws(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [batch, k, H] -> target ids [batch, k], q [batch, k, vocab] or None (greedy)."""

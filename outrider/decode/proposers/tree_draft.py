@@ -29,21 +29,23 @@ from typing import Any
 
 import torch
 
-from outrider.ops.tree import StaticTree, TreeBudget, select_nodes
+from outrider.decode.proposers.head_cache import head_step
+from outrider.ops.tree import select_nodes
+from outrider.trees import StaticTree, TreeBudget, TreeSpec
 
 
-def tree_slots(spec: TreeBudget | StaticTree) -> int:
+def tree_slots(spec: TreeSpec) -> int:
     """Head-cache slots a round of this tree writes (one per fed node)."""
     if isinstance(spec, TreeBudget):
         return spec.topk * (spec.steps - 1)
-    return spec.size
+    return spec.nodes
 
 
 class TreeDrafter:
     """Drafts one tree per call through ``head`` over ``cache`` (a ``HeadCache`` with
     ``tree_base`` + ``tree_slots(spec)`` slots); ``embedding`` is the target's."""
 
-    def __init__(self, head: torch.nn.Module, embedding: torch.nn.Module, cache: Any, spec: TreeBudget | StaticTree):
+    def __init__(self, head: torch.nn.Module, embedding: torch.nn.Module, cache: Any, spec: TreeSpec):
         self.head, self.embedding, self.cache, self.spec = head, embedding, cache, spec
 
     def _probs(self, h: torch.Tensor) -> torch.Tensor:
@@ -60,12 +62,10 @@ class TreeDrafter:
         cache = self.cache
         positions = (root_pos[:, None] + depth).expand_as(tokens)  # [batch, M]
         cache.write = slots
-        q, k, v = self.head.before_attention(self.embedding(tokens), hidden, positions)
         prefix = (cache.slots[None, None, :] <= root_pos[:, None, None]) & (cache.slots < cache.max_len)
         if cache.window:
             prefix = prefix & (cache.slots[None, None, :] > positions[:, :, None] - cache.window)
-        attended = self.head.attend(q, k, v, (prefix | sees)[:, None], cache)  # [batch, M, heads * d]
-        return self.head.after_attention(hidden, attended)
+        return head_step(self.head, self.embedding, cache, tokens, hidden, positions, (prefix | sees)[:, None])
 
     @torch.no_grad()
     def draft(self, h_root: torch.Tensor, root_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +111,7 @@ class TreeDrafter:
 
     def _static(self, h_root: torch.Tensor, root_pos: torch.Tensor, tree: StaticTree
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        B, dev, N = h_root.shape[0], h_root.device, tree.size
+        B, dev, N = h_root.shape[0], h_root.device, tree.nodes
         S = self.cache.keys.shape[2]
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         hidden = h_root.new_zeros(B, 1 + N, h_root.shape[-1])  # [batch, 1 + N, H] hidden_out, root first
@@ -137,7 +137,7 @@ def static_levels(tree: StaticTree, device: torch.device) -> tuple[tuple, ...]:
     those [L], its rank [L], the most ranks drawn, the nodes with children [M] or None, and the
     positions those were drawn from [M])."""
     levels = []
-    for depth in range(1, tree.depth + 1):
+    for depth in range(1, tree.steps + 1):
         nodes = tree.level(depth)
         heads = sorted({tree.parents[i] + 1 for i in nodes})
         feed = [i for i in nodes if i in set(tree.parents)]

@@ -47,7 +47,7 @@ from outrider.interop.engines import option_issues, serves_last_layer
 from outrider.interop.formats import get_format
 from outrider.interop.formats.base import AuxIds
 from outrider.interop.launch import launch_text
-from outrider.ops.tree import StaticTree, TreeBudget
+from outrider.trees import TreeSpec
 from outrider.models import (
     arch_info,
     load_config_dict,
@@ -261,15 +261,15 @@ def _options(cfg: Eagle3Config) -> dict[str, Any]:
 
 def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, target: str | None = None, *,
            dtype: str = "bfloat16", num_speculative_tokens: int = 3, include_embeddings: bool = False,
-           extra: dict[str, Any] | None = None, tree: TreeBudget | StaticTree | None = None) -> ExportReport:
+           extra: dict[str, Any] | None = None, tree: TreeSpec | None = None) -> ExportReport:
     """Write a servable checkpoint of a head (in memory, or a checkpoint folder) in ``format``.
 
     ``target`` (a local model folder, GGUF file or ``default``) is checked against the head,
     recorded as the model the head was trained for and used in LAUNCH.md and for SGLang's aux-id
     rule. ``include_embeddings`` copies the target's input embedding into the checkpoint as
     ``embed_tokens.weight`` (SpecForge expects it; the engines share the target's); the
-    ``speculators`` format always carries it. ``tree`` (``ops.tree``) puts a draft tree's flags in
-    LAUNCH.md instead of the chain of ``num_speculative_tokens``.
+    ``speculators`` format always carries it. ``tree`` (``outrider.trees``) puts a draft tree's flags
+    in LAUNCH.md instead of the chain of ``num_speculative_tokens``.
     """
     fmt = get_format(format)
     if dtype not in DTYPES:
