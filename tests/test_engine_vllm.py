@@ -126,7 +126,7 @@ def test_parallel_drafting_head_served(vllm, kept, targets, heads, tmp_path):
     argv = launch_argv(folder)
     assert engine_env.speculative_config(argv)["parallel_drafting"] is True
     record = serve_and_bench(vllm, kept, "peagle-vllm-float32", argv, targets["llama"], _prompts(tmp_path),
-                             "float32", draft=heads["parallel"])
+                             "float32", draft=heads["parallel"], method="parallel")
     assert_served_as_here(record, len(permuted.PROMPTS))
 
 
