@@ -444,13 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-steps", type=POSITIVE, default=None,
                     help="stop at this optimizer step (checkpointed; the schedule keeps the config's steps)")
     sp.add_argument("--report-to", default="none", choices=["tensorboard", "wandb", "none"],
-                    help="also log metrics.jsonl's scalars to TensorBoard (event files in OUT/tensorboard) or "
-                         "Weights & Biases; needs that package installed")
+                    help="also log metrics to TensorBoard (OUT/tensorboard) or Weights & Biases (package needed)")
     sp.add_argument("--parallel-drafting", action="store_true",
-                    help="train a parallel-drafting head (P-EAGLE, arXiv 2602.01469): all k drafts in one forward, "
-                         "positions after the first fed the placeholder token (config mask_token_id; default the "
-                         "tokenizer's pad, else unk, else eos id) and a learned mask_hidden; serve it with "
-                         "--method parallel, or vLLM's \"parallel_drafting\": true")
+                    help="a P-EAGLE head (arXiv 2602.01469): all k drafts in one forward after placeholder tokens "
+                         "(config mask_token_id); decode with --method parallel (vLLM: \"parallel_drafting\": true)")
+    sp.add_argument("--drafter", choices=["eagle3", "dflash"], default=None,
+                    help="eagle3 (default): an EAGLE-3 head; dflash: a DFlash block drafter (arXiv 2602.06036; "
+                         "config block_size, dflash_layers, num_anchors), decoded with --method dflash")
     sp.add_argument("--quiet", action="store_true")
     runtime(sp)
     placement(sp)

@@ -303,7 +303,8 @@ def train_options(a: argparse.Namespace) -> TrainOptions:
                         init=a.init, resume=a.resume, device=a.device, dtype=a.dtype, max_steps=a.max_steps,
                         aux_layer_ids=a.aux_layers, progress=not a.quiet, device_map=a.device_map,
                         offload_folder=a.offload_folder, stream=stream, allow_change=a.allow_change or (),
-                        report_to=a.report_to, parallel_drafting=getattr(a, "parallel_drafting", False))
+                        report_to=a.report_to, parallel_drafting=getattr(a, "parallel_drafting", False),
+                        drafter=getattr(a, "drafter", None))
 
 
 def user_os_error(e: BaseException) -> OSError | None:

@@ -27,6 +27,7 @@ Not done here: reading command-line flags (``outrider.cli``), choosing a preset 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from dataclasses import replace as _dc_replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json, read_json
 
 PRESET_NAMES = ("quick", "full")
+DRAFTERS = ("eagle3", "dflash")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ class TrainConfig:
     head_sliding_window: int = 0  # > 0: the head attends to the last this many positions (GQA heads)
     parallel_drafting: bool = False  # P-EAGLE: train the head to draft all ttt_steps tokens in one forward
     mask_token_id: int | None = None  # its placeholder token; None: the tokenizer's pad, else unk, else eos token
+    drafter: str = "eagle3"  # "eagle3" (the head, ttt_steps unrolled) or "dflash" (a block drafter, heads.dflash)
+    block_size: int = 8  # dflash: positions per block, drafting block_size - 1 tokens per forward
+    dflash_layers: int = 1  # dflash: the drafter's decoder layers
+    loss_decay_gamma: float | None = None  # dflash: draft i weighs exp(-i/gamma); None: the paper's for the block
+    num_anchors: int = 512  # dflash: blocks per sequence per training step (evaluation: every position)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -149,8 +156,34 @@ class TrainConfig:
             raise UserError(f"training setting 'parallel_drafting' must be true or false, got {self.parallel_drafting!r}")
         if self.mask_token_id is not None and (type(self.mask_token_id) is not int or self.mask_token_id < 0):
             raise UserError(f"training setting 'mask_token_id' must be a token id >= 0 or null, got {self.mask_token_id!r}")
+        if self.drafter not in DRAFTERS:
+            raise UserError(f"training setting 'drafter' must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        for name in ("block_size", "dflash_layers", "num_anchors"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "block_size" else 1):
+                raise UserError(f"training setting '{name}' must be an integer >= {2 if name == 'block_size' else 1}, "
+                                f"got {value!r}")
+        if self.loss_decay_gamma is not None and not (isinstance(self.loss_decay_gamma, (int, float))
+                                                      and self.loss_decay_gamma > 0):
+            raise UserError(f"training setting 'loss_decay_gamma' must be a positive number or null, "
+                            f"got {self.loss_decay_gamma!r}")
+        if self.drafter == "dflash" and self.parallel_drafting:
+            raise UserError("a DFlash drafter drafts its block in one forward already: drop parallel_drafting")
         if self.eval_examples is not None and self.eval_examples < 1:
             raise UserError(f"training setting 'eval_examples' must be positive or null, got {self.eval_examples!r}")
+
+    @property
+    def draft_steps(self) -> int:
+        """Drafts per round the loss trains: ``ttt_steps`` (EAGLE-3), ``block_size - 1`` (DFlash)."""
+        return self.block_size - 1 if self.drafter == "dflash" else self.ttt_steps
+
+    def step_weights(self) -> list[float]:
+        """Loss weight of draft i: ``step_decay**i`` (EAGLE-3), ``exp(-i / gamma)`` (DFlash; gamma by
+        default the paper's 7, 5, 4 for blocks of 16, 10, 8, i.e. about ``block_size / 2``)."""
+        if self.drafter != "dflash":
+            return [self.step_decay ** i for i in range(self.ttt_steps)]
+        gamma = self.loss_decay_gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+        return [math.exp(-i / gamma) for i in range(self.block_size - 1)]
 
     @property
     def max_batch_tokens(self) -> int:

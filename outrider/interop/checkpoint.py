@@ -40,6 +40,7 @@ from outrider.interop.engines import (
 )
 from outrider.interop.formats import format_of, get_format
 from outrider.interop.formats.base import LAYERS0, OUR_LAYER, rename
+from outrider.interop.formats.dflash import is_dflash, read_dflash
 from outrider.models import arch_info, load_config_dict
 from outrider.values import check_draft_map, check_finite
 
@@ -479,8 +480,12 @@ def check_against_target(cfg: Eagle3Config, target_config: Any) -> None:
 
 def load_head(path: str | Path, target_config: Any = None, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> tuple[Eagle3Head, Eagle3Config]:
-    """Load an EAGLE-3 head from any supported checkpoint folder; see the module docstring."""
+    """Load an EAGLE-3 head from any supported checkpoint folder (a DFlash drafter's folder gives
+    the drafter and its config, ``formats.dflash``); see the module docstring."""
     path = Path(path).expanduser()
+    if (path / "config.json").is_file() and is_dflash(read_config(path)):
+        drafter = read_dflash(path, _target_dict(target_config), dtype, device)
+        return drafter, drafter.config
     spec = read_head_spec(path)
     target = _target_dict(target_config)
     if target is not None:

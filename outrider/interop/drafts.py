@@ -3,7 +3,7 @@
 Contract: a proposer-registry entry (``decode.proposers.PROPOSERS``) names in ``needs`` the kind
 of draft it is built from, a key of ``DRAFTS``: None (no draft), ``"model"`` (a causal LM with the
 target's vocabulary and tokenizer), ``"eagle3-head"`` (an EAGLE-3 head, drafting a chain or a
-tree) or ``"parallel-head"`` (a parallel-drafting P-EAGLE head). ``build_proposer(method, entry,
+tree), ``"parallel-head"`` (a parallel-drafting P-EAGLE head) or ``"dflash"`` (a DFlash block drafter). ``build_proposer(method, entry,
 target, ...)`` is the one place a draft is loaded for decoding (bench, generate, the demo, the
 served bench's offline run): it loads the draft of the entry's kind from ``draft`` on the
 target's device and dtype, refuses a draft of another kind (one line naming the method), a tree
@@ -61,8 +61,14 @@ def load_head_for(path: str | Path, target: Any, device: Any = None) -> Any:
     return head.to(device=device or param.device, dtype=param.dtype).eval().requires_grad_(False)
 
 
+def _refuse_dflash(head: Any, path: str, method: str) -> None:
+    if getattr(head.config, "block_size", None) is not None:
+        raise UserError(f"{path} is a DFlash block drafter: use --method dflash, not --method {method}")
+
+
 def _load_eagle3_head(method: str, path: str, target: Any, tokenizer: Any, device: Any, dtype: Any) -> Any:
     head = load_head_for(path, target, device)
+    _refuse_dflash(head, path, method)
     if head.config.parallel_drafting:
         raise UserError(f"{path} is a parallel-drafting (P-EAGLE) head, trained to draft all k tokens in one "
                         f"forward: use --method parallel, not --method {method}")
@@ -71,16 +77,27 @@ def _load_eagle3_head(method: str, path: str, target: Any, tokenizer: Any, devic
 
 def _load_parallel_head(method: str, path: str, target: Any, tokenizer: Any, device: Any, dtype: Any) -> Any:
     head = load_head_for(path, target, device)
+    _refuse_dflash(head, path, method)
     if not head.config.parallel_drafting:
         raise UserError(f"--method {method} needs a parallel-drafting head; {path} is an EAGLE-3 head: use "
                         "--method eagle3, or train one with 'outrider train --parallel-drafting'")
     return head
 
 
+def _load_dflash(method: str, path: str, target: Any, tokenizer: Any, device: Any, dtype: Any) -> Any:
+    drafter = load_head_for(path, target, device)
+    if getattr(drafter.config, "block_size", None) is None:
+        raise UserError(f"--method {method} needs a DFlash drafter; {path} is an EAGLE-3 head: use --method "
+                        f"{'parallel' if drafter.config.parallel_drafting else 'eagle3'}, or train one with "
+                        "'outrider train --drafter dflash'")
+    return drafter
+
+
 DRAFTS: dict[str, DraftKind] = {
     "model": DraftKind("a draft model", "model", _load_model),
     "eagle3-head": DraftKind("an EAGLE-3 head", "head", _load_eagle3_head),
     "parallel-head": DraftKind("a parallel-drafting (P-EAGLE) head", "head", _load_parallel_head),
+    "dflash": DraftKind("a DFlash block drafter", "head", _load_dflash),
 }
 
 
@@ -116,4 +133,5 @@ def folder_kind(path: str) -> str | None:
         return None
     archs = " ".join(str(a) for a in cfg.get("architectures") or [] if isinstance(a, str)).lower()
     head_keys = ("eagle_config", "speculators_config", "speculators_model_type", "draft_vocab_size", "outrider")
-    return "head" if "eagle" in archs or any(k in cfg for k in head_keys) else "model"
+    head_keys += ("dflash_config",)
+    return "head" if "eagle" in archs or "dflash" in archs or any(k in cfg for k in head_keys) else "model"

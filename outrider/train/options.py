@@ -54,6 +54,7 @@ class TrainOptions:
     allow_change:  with ``resume``, what may differ from the checkpoint (``outrider.train.loop.resume.NAMES``)
     report_to:     also log the metrics to ``tensorboard`` or ``wandb`` (``outrider.train.loop.logs``)
     parallel_drafting: train a parallel-drafting head (P-EAGLE): sets the config's ``parallel_drafting``
+    drafter:       ``"eagle3"`` or ``"dflash"`` (a DFlash block drafter): sets the config's ``drafter``; None keeps it
     """
 
     target: str
@@ -75,6 +76,7 @@ class TrainOptions:
     allow_change: Sequence[str] = ()
     report_to: str = "none"
     parallel_drafting: bool = False
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.cache is None):

@@ -3,7 +3,7 @@
 ``PROPOSERS[name]`` is a ``Method``: where its proposer class lives (imported on use, so that the
 command line lists the names without importing torch), how its draft loads (``needs``: None, or
 a kind of ``interop.drafts.DRAFTS``: ``"model"`` a causal LM with the target's tokenizer,
-``"eagle3-head"`` an EAGLE-3 head, ``"parallel-head"`` a P-EAGLE head) and whether it drafts
+``"eagle3-head"`` an EAGLE-3 head, ``"parallel-head"`` a P-EAGLE head, ``"dflash"`` a DFlash drafter) and whether it drafts
 trees. ``interop.drafts.build_proposer`` loads that draft and hands it, built, to ``build``; a
 proposer never loads a checkpoint itself. ``"ar"`` is plain decoding: no proposer. A new
 proposer is one file here plus one line below (and, for a new kind of draft, one loader there).
@@ -36,4 +36,5 @@ PROPOSERS: dict[str, Method] = {
     "draft": Method("outrider.decode.proposers.draft_model:DraftModelProposer", needs="model"),
     "eagle3": Method("outrider.decode.proposers.eagle3:Eagle3Proposer", needs="eagle3-head", trees=True),
     "parallel": Method("outrider.decode.proposers.parallel:ParallelProposer", needs="parallel-head"),  # P-EAGLE
+    "dflash": Method("outrider.decode.proposers.dflash:DFlashProposer", needs="dflash"),  # DFlash block drafter
 }

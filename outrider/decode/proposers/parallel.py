@@ -19,6 +19,7 @@ own step may still be compiled), trees.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.head_cache import head_step
-from outrider.decode.sampling import probs, sample
+from outrider.decode.sampling import RowRandom, SamplingParams, probs, sample
 
 
 class ParallelProposer(Eagle3Proposer):
@@ -62,16 +63,23 @@ class ParallelProposer(Eagle3Proposer):
 
     def _draws(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [batch, k, H] -> target ids [batch, k], q [batch, k, vocab] or None (greedy)."""
-        logits = self.head.compute_logits(h)  # [batch, k, draft_vocab]
-        if self.ctx.sampling.greedy:
-            return self.head.map_to_target(logits.argmax(-1)), None
-        B, k, Vd = logits.shape
-        qd = probs(logits.reshape(B * k, Vd), self.ctx.sampling).reshape(B, k, Vd)
-        u = self.rand.uniform(k, qd.device)  # [batch, k]: one draw per position, each from its own softmax
-        d = sample(qd, u)  # [batch, k]
-        q = qd.new_zeros(B, k, self.vocab)
-        q[:, :, self.head.map_to_target(torch.arange(Vd, device=qd.device))] = qd
-        return self.head.map_to_target(d), q
+        return block_draws(self.head.compute_logits(h), self.head.map_to_target, self.ctx.sampling, self.rand,
+                           self.vocab)
+
+
+def block_draws(logits: torch.Tensor, to_target: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
+                rand: RowRandom, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The k drafts of one forward from their draft logits [batch, k, draft_vocab]: target ids [batch,
+    k] (argmax when greedy), and when sampling q [batch, k, vocab], each position drawn from its own
+    softmax (independent draws; the verification keeps decoding lossless)."""
+    if sampling.greedy:
+        return to_target(logits.argmax(-1)), None
+    B, k, Vd = logits.shape
+    qd = probs(logits.reshape(B * k, Vd), sampling).reshape(B, k, Vd)
+    d = sample(qd, rand.uniform(k, qd.device))  # [batch, k]
+    q = qd.new_zeros(B, k, vocab)
+    q[:, :, to_target(torch.arange(Vd, device=qd.device))] = qd
+    return to_target(d), q
 
     @torch.no_grad()
     def propose(self, k: int) -> Draft:

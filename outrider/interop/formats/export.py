@@ -42,10 +42,12 @@ from outrider.interop.checkpoint import (
     read_head_spec,
     to_format_state_dict,
 )
+from outrider.heads.dflash import DFlashDrafter
 from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Config, Eagle3Head
 from outrider.interop.engines import option_issues, serves_last_layer
 from outrider.interop.formats import get_format
 from outrider.interop.formats.base import AuxIds
+from outrider.interop.formats.dflash import is_dflash, write_dflash
 from outrider.interop.launch import launch_text
 from outrider.trees import TreeSpec
 from outrider.models import (
@@ -79,6 +81,7 @@ class ExportReport:
     max_abs_logit_diff: float  # reloaded vs in-memory head, random inputs
     launch: str  # LAUNCH.md text
     notes: list[str] = field(default_factory=list)
+    drafter: str = "EAGLE-3"  # or "DFlash" (its ids written as DFlash's target_layer_ids)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,8 +90,10 @@ class ExportReport:
         """A few lines for the terminal: what was written, how it was checked, where the flags are."""
         nested = "" if self.written_eagle_aux_layer_ids is None else \
             f", eagle_config {self.written_eagle_aux_layer_ids} (SGLang)"
-        lines = [f"wrote a {self.format} EAGLE-3 checkpoint to {self.out}: {self.num_tensors} tensors, {self.dtype}",
-                 f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids} (vLLM){nested}",
+        read_as = "target_layer_ids, vLLM and SGLang" if self.drafter == "DFlash" else "vLLM"
+        lines = [f"wrote a {self.format} {self.drafter} checkpoint to {self.out}: {self.num_tensors} tensors, "
+                 f"{self.dtype}",
+                 f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids} ({read_as}){nested}",
                  f"reload check: max |logit difference| {self.max_abs_logit_diff:.3g} on random inputs",
                  *(f"note: {n}" for n in self.notes),
                  f"launch commands: {Path(self.out) / 'LAUNCH.md'}"]
@@ -272,6 +277,9 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     in LAUNCH.md instead of the chain of ``num_speculative_tokens``.
     """
     fmt = get_format(format)
+    if isinstance(head_or_dir, DFlashDrafter) or (
+            not isinstance(head_or_dir, Eagle3Head) and is_dflash(read_config(head_or_dir))):
+        return _export_dflash(head_or_dir, format, out, target, dtype, num_speculative_tokens, extra, tree)
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -350,6 +358,32 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
                         aux_layer_ids=list(cfg.aux_layer_ids), written_aux_layer_ids=list(top),
                         written_eagle_aux_layer_ids=None if nested is None else list(nested),
                         max_abs_logit_diff=diff, launch=launch, notes=notes)
+
+
+def _export_dflash(drafter_or_dir: DFlashDrafter | str | Path, format: str, out: str | Path, target: str | None,
+                   dtype: str, num_speculative_tokens: int, extra: dict[str, Any] | None,
+                   tree: TreeSpec | None) -> ExportReport:
+    """A DFlash drafter in the engines' DFlash layout (``formats.dflash``: vLLM and SGLang read the same one)."""
+    if format == "speculators":
+        raise UserError("the speculators DFlash layout is not written yet: use --format vllm (vLLM and SGLang both "
+                        "load the DFlash layout it writes)")
+    if tree is not None:
+        raise UserError("a DFlash drafter drafts chains (one block per round): drop --tree")
+    _, target_cfg = _target_record(target)
+    drafter = drafter_or_dir if isinstance(drafter_or_dir, DFlashDrafter) else load_head(drafter_or_dir)[0]
+    meta = {} if isinstance(drafter_or_dir, DFlashDrafter) else dict(read_config(drafter_or_dir).get("outrider") or {})
+    meta.pop("config", None)
+    if target is None and isinstance(meta.get("target"), dict):
+        target = meta["target"].get("name")
+    cfg = drafter.config
+    written = write_dflash(drafter, out, target, dtype, {**meta, **(extra or {})}, num_speculative_tokens, target_cfg)
+    notes = [] if num_speculative_tokens <= cfg.max_draft else [
+        f"num_speculative_tokens {num_speculative_tokens} exceeds the block's {cfg.max_draft} drafts: LAUNCH.md "
+        f"asks for {cfg.max_draft}"]
+    return ExportReport(format=format, out=written["out"], files=written["files"], num_tensors=written["num_tensors"],
+                        dtype=dtype, aux_layer_ids=list(cfg.aux_layer_ids), written_aux_layer_ids=cfg.target_layer_ids,
+                        written_eagle_aux_layer_ids=None, max_abs_logit_diff=written["max_abs_logit_diff"],
+                        launch=(Path(written["out"]) / "LAUNCH.md").read_text(), notes=notes, drafter="DFlash")
 
 
 def engine_notes(cfg: Eagle3Config, model_type: str | None, num_layers: int | None, nested_note: str) -> list[str]:

@@ -46,7 +46,9 @@ from torch import nn
 from outrider.config import TrainConfig, resolve_config
 from outrider.errors import UserError
 from outrider.interop.checkpoint import load_head
+from outrider.heads.dflash import DFlashConfig, DFlashDrafter
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
+from outrider.interop.formats.dflash import write_dflash
 from outrider.interop.formats.export import save_head
 from outrider.models import arch_info, load_tokenizer, parse_dtype
 from outrider.progress import Bar
@@ -54,6 +56,7 @@ from outrider.signals import Interrupted, Signals
 from outrider.train.data.datasets import BatchCursor, to_device
 from outrider.train.data.vocab import DraftVocab, run_vocab
 from outrider.train.loop import checkpoint, dist, flops, head_init, logs, soft_ce
+from outrider.train.loop.dflash_loss import DFlashModule, dflash_loss, sample_anchors
 from outrider.train.loop import resume as same_run
 from outrider.train.loop.metrics import Launched, StepSums, Throughput, TrainReport, peak_flops
 from outrider.train.loop.schedule import lr_factor
@@ -90,7 +93,7 @@ class _Trainer:
         self.progress, self.notes = o.progress and env.is_main, []
         self.resume_state = checkpoint.read_state(self.last_dir) if o.resume else None
         self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids)
-        self._parallel(o.parallel_drafting, loaded_target)
+        self._parallel(o.parallel_drafting, o.drafter, loaded_target)
         self._open_target(o, loaded_target)
         stream = o.stream.as_kwargs() if o.stream is not None else None
         self.identity = same_run.identity(o.data, o.cache, stream, parse_dtype(o.dtype, self.env.device),
@@ -123,15 +126,21 @@ class _Trainer:
             raise UserError(f"--max-steps {max_steps} must be in 1..{cfg.steps} (the schedule's steps; raise "
                             "'steps' in a --config file to train longer)")
 
-    def _parallel(self, flag: bool, loaded: Any) -> None:
-        """``--parallel-drafting`` into the settings (a resumed run keeps its own: the flag must agree);
-        a parallel run's null ``mask_token_id`` resolved from the target's tokenizer."""
+    def _parallel(self, flag: bool, drafter: str | None, loaded: Any) -> None:
+        """``--parallel-drafting`` and ``--drafter`` into the settings (a resumed run keeps its own: the
+        flags must agree); a null ``mask_token_id`` of a parallel or DFlash run resolved from the
+        target's tokenizer."""
+        if drafter is not None and drafter != self.config.drafter:
+            if self.resume_state is not None:
+                raise UserError(f"--drafter {drafter}: the run being resumed trains a {self.config.drafter} drafter; "
+                                "drop the flag or start a new run")
+            self.config = self.config.replace(drafter=drafter)
         if flag and not self.config.parallel_drafting:
             if self.resume_state is not None:
                 raise UserError("--parallel-drafting: the run being resumed trains an EAGLE-3 head; drop the flag "
                                 "or start a new run")
             self.config = self.config.replace(parallel_drafting=True)
-        if self.config.parallel_drafting and self.config.mask_token_id is None:
+        if (self.config.parallel_drafting or self.config.drafter == "dflash") and self.config.mask_token_id is None:
             tokenizer = loaded[1] if isinstance(loaded, tuple) and loaded[1] is not None else None
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.target_name)
             self.config = self.config.replace(mask_token_id=head_init.mask_token_id(tokenizer))
@@ -185,6 +194,9 @@ class _Trainer:
         self.notes.extend(notes)
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+        if cfg.drafter == "dflash":
+            self._build_dflash(init_head, aux_ids)
+            return
         head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
                                            attention=cfg.head_attention, **cfg.head_options())
         if len(set(head_cfg.aux_layer_ids)) != 3:
@@ -209,6 +221,35 @@ class _Trainer:
             self._load_head_weights(self.last_dir / "head")
         self.head.to(self.env.device)
 
+    def _build_dflash(self, init_head: Any, aux_ids: Sequence[int] | None) -> None:
+        """A DFlash drafter (``heads.dflash``): fresh (lm_head and norm from the target) or the checkpoint's."""
+        cfg = self.config
+        if init_head is not None:
+            raise UserError("--init fine-tunes an EAGLE-3 head; a DFlash drafter trains from scratch: drop --init")
+        head_cfg = DFlashConfig.for_target(self.target.config, self.vocab.draft_vocab_size, cfg.mask_token_id,
+                                           cfg.block_size, cfg.dflash_layers, aux_ids)
+        self.config = cfg.replace(aux_layer_ids=head_cfg.aux_layer_ids)
+        torch.manual_seed(cfg.seed)
+        self.head = DFlashDrafter(head_cfg)
+        self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
+        if cfg.init_from_target:
+            head_init.init_from_target(self.head, self.target, self.vocab.draft_ids)
+        if self.resume_state is not None:
+            self._load_head_weights(self.last_dir / "head")
+        self.head.to(self.env.device)
+
+    def _positions(self, batch: Any, where: dict[str, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The positions each draft's loss counts in a micro-batch (host tensors): every one for
+        EAGLE-3, ``num_anchors`` drawn anchors per sequence for DFlash, the draw seeded by the
+        batch's place in the run (``where``: the cursor's epoch and batch), so a resumed run and
+        a run ahead draw the same."""
+        cfg = self.config
+        if cfg.drafter != "dflash":
+            return counted_positions(batch.loss_mask, batch.attention_mask, cfg.ttt_steps)
+        seed = (cfg.seed * 1_000_003 + int(where["epoch"]) * 100_003 + int(where["batch"])) * 4096 + self.env.rank
+        generator = torch.Generator().manual_seed(seed)
+        return sample_anchors(batch.loss_mask, batch.attention_mask, cfg.draft_steps, cfg.num_anchors, generator)
+
     def _build_optimizer(self) -> None:
         env, cfg = self.env, self.config
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
@@ -216,7 +257,7 @@ class _Trainer:
         self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: lr_factor(s, cfg, self._budget_used()))
-        self.weights = [cfg.step_decay ** i for i in range(cfg.ttt_steps)]
+        self.weights = cfg.step_weights()
         self.autocast = env.device.type == "cuda" and cfg.amp
         self.fused = cfg.loss_kernel if env.device.type == "cuda" and cfg.compile else False
         if self.fused == "triton" and not soft_ce.available():
@@ -232,7 +273,7 @@ class _Trainer:
         self.step, self.best_step, self.best_score = 0, 0, -math.inf
         self.cursor = BatchCursor(self.train_ds, cfg, env, cfg.seed)
         self.last_eval: dict[str, Any] = {}
-        self.window = StepSums(cfg.ttt_steps)  # training sums since the last evaluation (no eval split)
+        self.window = StepSums(cfg.draft_steps)  # training sums since the last evaluation (no eval split)
         if self.resume_state is not None:
             s = self.resume_state
             self.optimizer.load_state_dict(s["optimizer"])
@@ -264,7 +305,15 @@ class _Trainer:
         forward and backward (``flops``)."""
         c = self.head.config
         lm = c.hidden_size * c.draft_vocab_size
-        steps = self.config.ttt_steps
+        steps = self.config.draft_steps
+        if self.config.drafter == "dflash":  # blocks of m positions per anchor; attention over the mean context
+            m, anchors = c.block_size, float(counted[0])
+            weights = self.flops_per_token_target * tokens + flops.head_flops(self.head_params - lm, lm, 1,
+                                                                              float(counted.sum()), 0)
+            weights += 6.0 * (self.head_params - lm) * anchors * m
+            span = pairs / max(tokens, 1) + m
+            return weights, self.target.attention_flops(pairs) + 12.0 * anchors * m * span * (
+                c.num_attention_heads * c.head_dim * c.num_hidden_layers)
         weights = (self.flops_per_token_target * tokens
                    + flops.head_flops(self.head_params - lm, lm, tokens, float(counted.sum()), steps))
         attention = (self.target.attention_flops(pairs)
@@ -354,9 +403,12 @@ class _Trainer:
             return flag
         return float(dist.all_reduce_sum(torch.tensor([float(flag)], device=self.env.device), self.env)[0]) > 0
 
-    def objective(self) -> TTTModule:
-        """The head and its TTT loss as the config sets them (kernels and attention on CUDA only)."""
+    def objective(self) -> TTTModule | DFlashModule:
+        """The head and its loss as the config sets them: TTT (kernels and attention on CUDA only), or
+        DFlash's blocks."""
         cfg, cuda = self.config, self.env.device.type == "cuda"
+        if cfg.drafter == "dflash":
+            return DFlashModule(self.head, self.embedding)
         return TTTModule(self.head, self.embedding, cfg.ttt_steps, weights=self.weights, reduction="sum",
                          fused=self.fused, compile_head=cuda and cfg.compile_head,
                          attention=cfg.ttt_attention if cuda else "dense")
@@ -407,16 +459,18 @@ class _Trainer:
         or dense target the host waits for nothing here (ranks exchange their counts first)."""
         env, cfg = self.env, self.config
         t0 = time.perf_counter()
-        micro = [self.cursor.next().cut(cfg.max_length) for _ in range(cfg.grad_accum)]
+        micro, index = [], []
+        for _ in range(cfg.grad_accum):
+            micro.append(self.cursor.next().cut(cfg.max_length))
+            index.append(self._positions(micro[-1], self.cursor.state()))
         epoch = self.cursor.epoch  # the epoch of this step's last micro-batch, as the step reads it
-        index = [counted_positions(b.loss_mask, b.attention_mask, cfg.ttt_steps) for b in micro]
         counted = torch.tensor([[len(b) for b, _ in ix] for ix in index], dtype=torch.long).sum(0)  # [steps]
         pairs = sum(flops.causal_pairs(b.attention_mask.sum(1).tolist()) for b in micro)  # attention pairs
         both = dist.all_reduce_sum(torch.cat([counted, torch.tensor([pairs])]), env)  # over the global batch
         counted, pairs = both[:-1], int(both[-1])  # [steps], scalar
         scale = float(env.world_size)  # DDP averages gradients over ranks; the loss is a global mean
         weights = [w * scale / max(int(n), 1) for w, n in zip(self.weights, counted.tolist())]
-        sums = StepSums(cfg.ttt_steps)
+        sums = StepSums(cfg.draft_steps)
         self.head.train()
         for j, (batch, ix) in enumerate(zip(micro, index)):
             tokens = int(batch.attention_mask.sum())
@@ -460,7 +514,7 @@ class _Trainer:
         env, cfg = self.env, self.config
         if self.eval_ds is None:
             m = self.window.metrics(self.weights, cfg.tau_k)
-            self.window = StepSums(cfg.ttt_steps)
+            self.window = StepSums(cfg.draft_steps)
             self._maybe_best(m, bar, source="train")
             return
         head = self.head.eval()
@@ -468,7 +522,7 @@ class _Trainer:
         lengths = self.eval_ds.lengths[:n]
         order = sorted(range(n), key=lambda i: (min(int(lengths[i]), cfg.max_length), i))  # less padding
         g = cfg.batch_size * env.world_size
-        sums = StepSums(cfg.ttt_steps)
+        sums = StepSums(cfg.draft_steps)
         for start in range(0, n, g):
             idx = order[start: start + g][env.rank::env.world_size]
             if not idx:
@@ -476,9 +530,14 @@ class _Trainer:
             batch = self.eval_ds.collate(idx, self.cursor.pad).cut(cfg.max_length).to(env.device)
             captured = self.capture.features(batch)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-                out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask, captured.teacher,
-                               batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights, reduction="sum",
-                               agree_map=True)
+                if cfg.drafter == "dflash":
+                    out = dflash_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask,
+                                      captured.teacher, batch.attention_mask, self.weights, reduction="sum",
+                                      agree_map=True)
+                else:
+                    out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask,
+                                   captured.teacher, batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights,
+                                   reduction="sum", agree_map=True)
             sums.add(out, int(batch.attention_mask.sum()))
             walk = walked_accept_len(out.agree, batch.loss_mask, batch.attention_mask, cfg.tau_k)
             sums.walk += torch.tensor([walk.tokens, walk.rounds])
@@ -529,7 +588,10 @@ class _Trainer:
                              "tau_k": self.config.tau_k, "data": self.data, "preset": self.preset}}
 
     def _save_head(self, directory: Path) -> None:
-        save_head(self.head, directory, target=self.target_name, extra=self._head_extra())
+        if self.config.drafter == "dflash":  # the engines' DFlash layout, float32
+            write_dflash(self.head, directory, self.target_name, dtype="float32", extra=self._head_extra())
+        else:
+            save_head(self.head, directory, target=self.target_name, extra=self._head_extra())
 
     def _checkpoint_head(self) -> None:
         self._save_head(self.head_dir)

@@ -1,0 +1,199 @@
+"""DFlash block drafters: the config and its engine fields, lossless decoding (GQA and MLA targets,
+batch 1 and 4, device rounds, sampling), the drafts are exactly what training computes, one forward
+per round, the file layout reloads equal, refusals in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import make_tiny
+
+from outrider.decode.engine import SpecEngine
+from outrider.decode.proposers import PROPOSERS
+from outrider.decode.proposers.dflash import DFlashProposer
+from outrider.decode.sampling import SamplingParams
+from outrider.errors import UserError
+from outrider.heads.dflash import DFlashConfig, DFlashDrafter
+from outrider.interop.checkpoint import load_head
+from outrider.interop.formats.dflash import random_check, read_dflash, write_dflash
+
+MAX_NEW = 16
+KINDS = ["llama", "deepseek_v3"]
+
+
+def random_drafter(model, seed=0, block_size=6, layers=2, draft_vocab=64, aux=(1, 2, 4)):
+    """A random DFlash drafter for ``model`` whose draft vocabulary is a random subset of the target's."""
+    cfg = DFlashConfig.for_target(model.config, draft_vocab, mask_token_id=3, block_size=block_size,
+                                  num_layers=layers, aux_layer_ids=aux)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():  # sharper than the default init: fewer near-ties in the draft argmax
+        drafter.lm_head.weight.mul_(20.0)
+    V = model.config.vocab_size
+    kept = torch.randperm(V)[:draft_vocab].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    drafter.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    return drafter.eval().requires_grad_(False)
+
+
+def _prompts(n=(5, 11, 3, 8)):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(5, 90, (m,), generator=g).tolist() for m in n]
+
+
+def test_config_for_targets_and_engine_ids(tiny_models):
+    for kind in KINDS:
+        model = tiny_models(kind)
+        L = model.config.num_hidden_layers
+        cfg = DFlashConfig.for_target(model.config, 64, mask_token_id=0, block_size=8, num_layers=2,
+                                      aux_layer_ids=(1, 3, L))
+        assert cfg.target_layer_ids == [j - 1 for j in cfg.aux_layer_ids] and cfg.max_draft == 7
+        assert cfg.hidden_size == model.config.hidden_size and cfg.num_target_layers == L
+        assert DFlashConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    model = tiny_models("llama")
+    for bad, says in [({"aux_layer_ids": (0, 1)}, r"\[0\] out of range"), ({"aux_layer_ids": (1, 9)}, "out of range"),
+                      ({"block_size": 1}, "block_size")]:
+        args = {"aux_layer_ids": (1, 2), "block_size": 4, **bad}
+        with pytest.raises(UserError, match=says):
+            DFlashConfig.for_target(model.config, 64, mask_token_id=0, num_layers=1, **args)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_plain_greedy(tiny_models, kind, batch):
+    model = tiny_models(kind)
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    engine = SpecEngine(model, DFlashProposer(random_drafter(model), model), k=4)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got.extend(engine.generate(prompts[i:i + batch], MAX_NEW).tokens)
+    assert got == refs
+
+
+def test_device_rounds_and_every_k_up_to_the_block(tiny_models):
+    model = tiny_models("llama")
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    drafter = random_drafter(model, block_size=6)
+    for k in (1, 3, 5):
+        assert SpecEngine(model, DFlashProposer(drafter, model), k=k, read_len="max").generate(
+            prompts, MAX_NEW).tokens == refs
+    with pytest.raises(UserError, match="at most 5"):
+        SpecEngine(model, DFlashProposer(drafter, model), k=6).generate(prompts[:1], MAX_NEW)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_drafts_are_the_training_blocks_and_one_forward(tiny_models, kind):
+    """Every round's k drafts are what ``dflash_loss`` computes for the block anchored at the round's
+    position (a one-hot teacher at the drafts: all agree), and each round is one drafter forward."""
+    from outrider.models import AuxCapture
+    from outrider.train.loop.dflash_loss import dflash_loss
+
+    model = tiny_models(kind)
+    drafter, k = random_drafter(model, seed=2), 5
+    proposer = DFlashProposer(drafter, model)
+    rounds, calls, block = [], [], drafter.block
+
+    def counting(*a):
+        calls.append(1)
+        return block(*a)
+
+    def recording(n, propose=proposer.propose):
+        before = len(calls)
+        draft = propose(n)
+        assert len(calls) - before == 1
+        rounds.append((list(proposer.ctx.histories[0]), draft.tokens[0].tolist()))
+        return draft
+
+    drafter.block = counting
+    proposer.propose = recording
+    SpecEngine(model, proposer, k=k).generate(_prompts()[1:2], 14)
+    drafter.block = block
+    assert len(rounds) > 3
+    dv = drafter.config.draft_vocab_size
+    draft_of = {int(t): d for d, t in enumerate((torch.arange(dv) + drafter.d2t).tolist())}
+    weights = [1.0] * (drafter.config.block_size - 1)
+    for history, drafts in rounds:
+        seq = torch.tensor([history + drafts])
+        L = len(history)
+        with AuxCapture(model, drafter.config.aux_layer_ids) as cap:
+            model(seq)
+            aux = cap.concat()
+        width = L + drafter.config.block_size
+        seq = torch.nn.functional.pad(seq, (0, width - seq.shape[1]))
+        aux = torch.nn.functional.pad(aux, (0, 0, 0, width - aux.shape[1]))
+        real = (torch.arange(width) < L + k)[None]
+        teacher = torch.zeros(1, width, dv)
+        for j, token in enumerate(drafts):
+            teacher[0, L - 1 + j, draft_of[token]] = 1.0
+        with torch.no_grad():
+            out = dflash_loss(drafter, model.get_input_embeddings(), aux, seq, real.long(), teacher, real.long(),
+                              weights, agree_map=True, chunk=3)
+        assert out.agree[:k, 0, L - 2].tolist() == [True] * k, (L, drafts)
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_models):
+    """Sampling with DFlash drafts gives plain sampling's token distribution (two-sample TV)."""
+    model = tiny_models("llama")
+    rows, prompt = 1500, _prompts()[1]
+    plain = SpecEngine(model, None, sampling=SamplingParams(temperature=1.0, seed=11)).generate(
+        [prompt] * rows, 4).tokens
+    spec = SpecEngine(model, DFlashProposer(random_drafter(model), model), k=3,
+                      sampling=SamplingParams(temperature=1.0, seed=90_000)).generate([prompt] * rows, 4).tokens
+    other = SpecEngine(make_tiny("llama", 7), None, sampling=SamplingParams(temperature=1.0, seed=11)).generate(
+        [prompt] * rows, 4).tokens
+    V = model.config.vocab_size
+
+    def hist(outs, pos):
+        return torch.bincount(torch.tensor([o[pos] for o in outs]), minlength=V).float() / len(outs)
+
+    for pos in (1, 3):
+        tv_same = 0.5 * (hist(plain, pos) - hist(spec, pos)).abs().sum().item()
+        tv_other = 0.5 * (hist(plain, pos) - hist(other, pos)).abs().sum().item()
+        assert tv_same < 0.12 and tv_same < tv_other / 3, (tv_same, tv_other)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_written_layout_reloads_equal(tiny_models, tmp_path, kind):
+    model = tiny_models(kind)
+    drafter = random_drafter(model, seed=3)
+    report = write_dflash(drafter, tmp_path / "d", dtype="float32", target_config=model.config)
+    assert report["max_abs_logit_diff"] <= 1e-5 and "LAUNCH.md" in report["files"]
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == drafter.config.block_size
+    assert raw["dflash_config"]["target_layer_ids"] == [j - 1 for j in drafter.config.aux_layer_ids]
+    assert raw["dflash_config"]["mask_token_id"] == 3
+    reloaded, cfg = load_head(tmp_path / "d", model.config)
+    assert cfg == drafter.config and random_check(drafter, reloaded) == 0.0
+    raw.pop("outrider")  # an engine-only layout (z-lab / SpecForge) reads from the engine fields
+    (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
+    assert read_dflash(tmp_path / "d").config == drafter.config
+    assert '"method": "dflash"' in (tmp_path / "d" / "LAUNCH.md").read_text()
+
+
+def test_refusals_are_one_line(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_models("llama")
+    drafter = random_drafter(model)
+    write_dflash(drafter, tmp_path / "d", dtype="float32")
+    other = make_tiny("llama", 0, layers=2)
+    with pytest.raises(UserError, match="reach past the target's 2 layers"):
+        read_dflash(tmp_path / "d", other.config)
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    tensors.pop("layers.1.self_attn.k_norm.weight")
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(UserError, match="missing tensors"):
+        read_dflash(tmp_path / "d")
+    from outrider.interop.drafts import DRAFTS
+
+    write_dflash(drafter, tmp_path / "ok", dtype="float32")
+    with pytest.raises(UserError, match="--method dflash"):
+        DRAFTS["eagle3-head"].load("eagle3", str(tmp_path / "ok"), model, None, "cpu", torch.float32)
+    assert PROPOSERS["dflash"].needs == "dflash"
+    assert isinstance(DRAFTS["dflash"].load("dflash", str(tmp_path / "ok"), model, None, "cpu", torch.float32),
+                      DFlashDrafter)

@@ -1,0 +1,93 @@
+"""Training a DFlash drafter end to end through the command line: ``train --drafter dflash`` (GQA and
+MLA targets), exact resume, the saved drafter benches losslessly with ``--method dflash`` and
+exports for the engines; what does not fit is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_trainer import CFG, _conversations
+from tiny import save_tiny
+
+from outrider.cli import main as cli_main
+from outrider.interop.checkpoint import load_head
+from outrider.train.data.prepare import build_dataset
+
+DFLASH = {**CFG.to_dict(), "steps": 6, "eval_every": 3, "save_every": 3, "block_size": 4, "dflash_layers": 2,
+          "num_anchors": 8, "tau_k": 3}
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def env(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"dflash-{request.param}")
+    target = save_tiny(request.param, root / "tiny")
+    data = root / "data"
+    build_dataset(str(target), str(_conversations(root / "a.json", 24, 0, 5, 60)), str(data), eval_fraction=0.2,
+                  progress=False)
+    config = root / "cfg.json"
+    config.write_text(json.dumps(DFLASH))
+    return {"root": root, "target": str(target), "data": str(data), "config": str(config)}
+
+
+def _train(env, out, *extra):
+    settings = [] if "--resume" in extra else ["--config", env["config"]]
+    return cli_main(["train", env["target"], "--data", env["data"], "--out", str(out), *settings,
+                     "--drafter", "dflash", "--quiet", "--device", "cpu", *extra])
+
+
+def test_a_resumed_run_equals_one_never_interrupted(env, capsys):
+    whole, split = env["root"] / "whole", env["root"] / "split"
+    assert _train(env, whole) in (0, None), capsys.readouterr().err
+    assert _train(env, split, "--max-steps", "4") in (0, None), capsys.readouterr().err
+    assert _train(env, split, "--resume") in (0, None), capsys.readouterr().err
+    a, cfg = load_head(whole / "last" / "head", env["target"])
+    b, _ = load_head(split / "last" / "head", env["target"])
+    assert cfg.block_size == 4 and cfg.num_hidden_layers == 2 and cfg.mask_token_id == 0  # the tokenizer's <pad>
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert (x == y).all(), name
+    evals = [r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
+    assert evals and len(evals[-1]["per_step_acc"]) == 3 and "walk_tau_k" in evals[-1]
+    losses = [r["loss"] for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines())
+              if r["type"] == "train"]
+    assert losses[-1] < losses[0]
+
+
+def test_the_trained_drafter_benches_losslessly_and_exports(env, tmp_path, capsys):
+    run = env["root"] / "whole"
+    if not (run / "head" / "config.json").exists():
+        assert _train(env, run) in (0, None)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w5 w6 w7\nw9 w10 w11 w12 w9 w10\n")
+    out = tmp_path / "bench.json"
+    rc = cli_main(["bench", env["target"], "--method", "dflash", "--draft", str(run / "head"), "--k", "3",
+                   "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12", "--json", str(out)])
+    assert rc in (0, None), capsys.readouterr().err
+    (record,) = json.loads(out.read_text())
+    assert record["method"] == "dflash" and record["lossless"] is True and len(record["accept_rate_per_pos"]) == 3
+    rc = cli_main(["export", str(run / "head"), "--format", "vllm", "--out", str(tmp_path / "x"),
+                   "--num-speculative-tokens", "3"])
+    assert rc in (0, None), capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert "DFlash checkpoint" in said and "target_layer_ids" in said
+    raw = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["torch_dtype"] == "bfloat16"
+    assert cli_main(["export", str(run / "head"), "--format", "speculators", "--out", str(tmp_path / "y")]) == 2
+    assert "not written yet" in capsys.readouterr().err
+
+
+def test_refusals(env, tmp_path, capsys):
+    run = env["root"] / "whole"
+    if not (run / "head" / "config.json").exists():
+        assert _train(env, run) in (0, None)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7\n")
+    common = ["--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4"]
+    assert cli_main(["bench", env["target"], "--method", "eagle3", "--draft", str(run / "head"), *common]) == 2
+    assert "--method dflash" in capsys.readouterr().err
+    assert cli_main(["bench", env["target"], "--method", "dflash", "--draft", str(run / "head"), "--k", "4",
+                     *common]) == 2
+    assert "at most 3" in capsys.readouterr().err
+    assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(run), "--resume",
+                     "--drafter", "eagle3", "--quiet", "--device", "cpu"]) == 2
+    assert "trains a dflash drafter" in capsys.readouterr().err
