@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--method", default="ar", choices=list(PROPOSERS),
                         help=" | ".join(name + (f" (--draft: {DRAFTS[m.needs].what})" if m.needs else "")
                                         for name, m in PROPOSERS.items()))
-        sp.add_argument("--draft", default=None, help="draft model folder, or EAGLE-3 head folder")
+        sp.add_argument("--draft", default=None, help="draft model folder, or a head folder (EAGLE-3, P-EAGLE, DFlash)")
         sp.add_argument("--k", type=K, default=4, help="draft tokens per step: 1..64, at most --max-new-tokens")
         sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",
                         help="EAGLE-2 draft trees (--method eagle3) in SGLang's budget: topk children per expanded "

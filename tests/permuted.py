@@ -133,6 +133,42 @@ def build_head(target: Path, attention: str = "gqa", parallel: bool = False):
     return head.eval().requires_grad_(False)
 
 
+def build_dflash(target: Path, block_size: int = 4):
+    """A DFlash drafter of known acceptance for the target in ``target``: its one layer's mask queries
+    are zero (the mask token 0 embeds to zero), so they attend evenly to every key, and every
+    value is zero but the block's first token's (``v_proj`` and ``o_proj`` the identity); after the
+    final norm ``lm_head`` predicts ``P(x_p)`` at every mask. The first draft is always right, the
+    later ones almost never: walked tau about 2. ``fc`` reads only the upper half of the first aux
+    state, zero at the ids it was built for; a server that hands it another layer (the noise) fills
+    the context values and the drafts go wrong."""
+    from transformers import AutoModelForCausalLM
+
+    from outrider.heads.dflash import DFlashConfig, DFlashDrafter
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    H = model.config.hidden_size
+    cfg = DFlashConfig.for_target(model.config, VOCAB - SPECIALS, mask_token_id=0, block_size=block_size,
+                                  num_layers=1, aux_layer_ids=AUX)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg)
+    perm = permutation()
+    attn = drafter.layers[0].self_attn
+    with torch.no_grad():
+        drafter.fc.weight.zero_()  # [H, 3 H_t]
+        drafter.fc.weight[:, H // 2: H] = torch.randn(H, H // 2)
+        attn.v_proj.weight.copy_(torch.eye(H))
+        attn.o_proj.weight.copy_(torch.eye(H))
+        drafter.layers[0].mlp.down_proj.weight.zero_()
+        drafter.lm_head.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        for x in range(SPECIALS, VOCAB):
+            drafter.lm_head.weight[perm[x] - SPECIALS] = 50 * emb[x]
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[SPECIALS:] = True
+    drafter.set_vocab(torch.full((VOCAB - SPECIALS,), SPECIALS, dtype=torch.long), t2d)
+    return drafter.eval().requires_grad_(False)
+
+
 def save_random(kind: str, out: Path, seed: int = 0) -> Path:
     """A randomly initialised target of the same shapes (the plain tiny chat template): varied states
     for capture checks."""

@@ -197,3 +197,18 @@ def test_refusals_are_one_line(tiny_models, tmp_path):
     assert PROPOSERS["dflash"].needs == "dflash"
     assert isinstance(DRAFTS["dflash"].load("dflash", str(tmp_path / "ok"), model, None, "cpu", torch.float32),
                       DFlashDrafter)
+
+
+def test_inspect_recognises_a_dflash_drafter_and_its_mismatches(tmp_path):
+    from tiny import save_tiny
+
+    from outrider.interop.inspect import inspect
+
+    target = save_tiny("llama", tmp_path / "t")
+    small = save_tiny("llama", tmp_path / "small", layers=2)
+    write_dflash(random_drafter(make_tiny("llama")), tmp_path / "d", dtype="float32")
+    report = inspect(target, tmp_path / "d")
+    assert report.checks[1].name == "draft" and "DFlash block drafter" in report.checks[1].reason
+    assert report.engines["vllm"] and "servable by vLLM" in report.verdict
+    bad = inspect(small, tmp_path / "d")
+    assert not bad.servable and "reach past the target's 2 layers" in bad.verdict

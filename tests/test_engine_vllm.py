@@ -34,7 +34,8 @@ pytestmark = pytest.mark.engine
 TOLERANCE = 0.02  # served tau against the offline tau (engine's count)
 MAX_NEW = 32
 # vLLM CPU-backend refusals that are not an export's fault: (pattern, why)
-CPU_REFUSALS = (r"not supported on (the )?CPU", r"CPU backend does not support", r"requires a CUDA")
+CPU_REFUSALS = (r"not supported on (the )?CPU", r"CPU backend does not support", r"requires a CUDA",
+                r"No common block size")  # a GQA draft (CPU_ATTN: blocks of 32n) on an MLA target (CPU_MLA: 16)
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +140,39 @@ def test_mla_head_served_on_a_deepseek_v3_target(vllm, kept, targets, heads, dty
     record = serve_and_bench(vllm, kept, f"eagle3-mla-vllm-{dtype}", launch_argv(folder), targets["deepseek_v3"],
                              _prompts(tmp_path), dtype, draft=heads["mla"])
     assert_served_as_here(record, len(permuted.PROMPTS))
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_dflash_drafter_served(vllm, kept, targets, kind, tmp_path):
+    """A DFlash drafter in the layout we write, served with LAUNCH.md's ``"method": "dflash"``."""
+    from outrider.interop.formats.dflash import write_dflash
+
+    ours, folder = tmp_path / "ours", tmp_path / "dflash"
+    drafter = permuted.build_dflash(targets[kind])
+    write_dflash(drafter, ours, str(targets[kind]), dtype="float32")
+    export(str(ours), "vllm", folder, target=str(targets[kind]), dtype="float32", num_speculative_tokens=3)
+    argv = launch_argv(folder)
+    assert engine_env.speculative_config(argv) == {"method": "dflash", "model": str(folder),
+                                                   "num_speculative_tokens": 3}
+    record = serve_and_bench(vllm, kept, f"dflash-{kind}-float32", argv, targets[kind], _prompts(tmp_path),
+                             "float32", draft=ours, method="dflash")
+    assert_served_as_here(record, len(permuted.PROMPTS))
+
+
+def test_dflash_with_shifted_layer_ids_is_flagged(vllm, kept, targets, tmp_path):
+    from outrider.interop.formats.dflash import write_dflash
+
+    ours, folder = tmp_path / "ours", tmp_path / "dflash-shifted"
+    write_dflash(permuted.build_dflash(targets["llama"]), ours, str(targets["llama"]), dtype="float32")
+    export(str(ours), "vllm", folder, target=str(targets["llama"]), dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [j + 1 for j in cfg["dflash_config"]["target_layer_ids"]]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    record = serve_and_bench(vllm, kept, "broken-dflash-ids-shifted", launch_argv(folder), targets["llama"],
+                             _prompts(tmp_path), "float32", draft=ours, method="dflash")
+    verdict = record["served_vs_offline"]
+    assert record["outputs_equal_local"] == len(permuted.PROMPTS)
+    assert verdict["flagged"] and verdict["relative_difference"] < -0.3, (record["tau"], verdict)
 
 
 def test_ngram_served(vllm, kept, targets, tmp_path):

@@ -1,4 +1,4 @@
-"""Planner: EAGLE-2 draft trees (SGLang's budget) and parallel drafting, priced and recommended."""
+"""Planner: EAGLE-2 draft trees (SGLang's budget), parallel drafting and DFlash blocks, priced and recommended."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from outrider.plan.acceptance import Acceptance
 from outrider.plan.calibrate import calibrate
 from outrider.plan.cost_model import (
     ModelShape,
+    dflash_shape,
     draft_round_cost,
     eagle3_head_shape,
     predict,
@@ -113,6 +114,42 @@ def test_parallel_round_is_one_draft_forward(smol):
         p = predict(smol, hw, par, Acceptance.from_rates([0.7]), k, b, 1, 512)
         assert p.verify_step_s == step_cost(smol, hw, 1, k + 1, b, 512).total_s and p.draft_kind == "parallel"
     assert draft_round_cost(par, hw, 1, 5, 1, 512).total_s < draft_round_cost(head, hw, 1, 5, 1, 512).total_s
+
+
+def test_dflash_round_is_one_forward_of_its_layers_over_k_plus_one(smol):
+    hw = load_profile("h200")
+    head = eagle3_head_shape(SMOLLM2_135M)
+    one_layer, three = dflash_shape(SMOLLM2_135M, 1), dflash_shape(SMOLLM2_135M, 3)
+    assert three.shape.num_layers == 3 and three.shape.attn_params < head.shape.attn_params  # q/k/v over H, not 2H
+    for k, b in ((1, 1), (4, 1), (7, 32)):
+        fc = _roofline_fc(three, hw, b)
+        block = step_cost(three.shape, hw, 1, k + 1, b, 512, include_step_overhead=False).total_s
+        assert draft_round_cost(three, hw, 1, k, b, 512).total_s == pytest.approx(block + fc, rel=1e-12)
+        p = predict(smol, hw, one_layer, Acceptance.from_rates([0.7]), k, b, 1, 512)
+        assert p.draft_kind == "block" and p.verify_step_s == step_cost(smol, hw, 1, k + 1, b, 512).total_s
+    assert draft_round_cost(one_layer, hw, 1, 7, 1, 512).total_s < draft_round_cost(head, hw, 1, 7, 1, 512).total_s
+
+
+def _roofline_fc(draft, hw, batch):
+    """The fc term of a draft round (its cost at k = 1 minus the forward's)."""
+    n = 2 if draft.method == "dflash" else 1
+    return draft_round_cost(draft, hw, 1, 1, batch, 512).total_s - step_cost(
+        draft.shape, hw, 1, n, batch, 512, include_step_overhead=False).total_s
+
+
+def test_plan_compares_eagle3_parallel_and_dflash(tmp_path):
+    records = [
+        {"method": "eagle3", "k": 3, "tau": 2.2, "accept_rate_per_pos": [0.7, 0.5, 0.3]},
+        {"method": "parallel", "k": 3, "tau": 2.0, "accept_rate_per_pos": [0.6, 0.4, 0.2]},
+        {"method": "dflash", "k": 3, "tau": 2.1, "accept_rate_per_pos": [0.65, 0.4, 0.25]},
+    ]
+    result, rows, text = _plan(tmp_path, records, batches=[1], ks=[3])
+    kinds = {(r["method"], r["draft"]) for r in rows}
+    assert kinds == {("eagle3", "chain"), ("parallel", "parallel"), ("dflash", "block")}
+    dflash = next(r for r in rows if r["method"] == "dflash")
+    assert '"method": "dflash"' in dflash["launch"] and dflash["expected_tokens"] == pytest.approx(
+        Acceptance.from_rates([0.65, 0.4, 0.25]).expected_tokens(3))
+    assert "dflash" in text
 
 
 # ---- records ---------------------------------------------------------------------------------

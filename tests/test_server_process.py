@@ -41,3 +41,13 @@ def test_error_line_joins_a_validation_detail_and_strips_log_prefixes(tmp_path):
     assert error_line(log) == ("pydantic_core.ValidationError: 1 validation error for SpeculativeConfig: "
                                "Value error, Unexpected keyword argument speculative_token_tree")
     assert error_line(tmp_path / "missing", "none") == "none"
+
+
+def test_error_line_skips_wrappers_that_point_back_at_the_cause(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("(Worker pid=1) ERROR 12-06 07:28:10 [multiproc_executor.py:1063] ValueError: No common block size "
+                   "for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]).\n"
+                   "RuntimeError: Worker failed with error 'No common block size', please check the stack trace above "
+                   "for the root cause\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert error_line(log) == "ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])."

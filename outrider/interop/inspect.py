@@ -25,12 +25,13 @@ more.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from outrider.errors import UserError
-from outrider.interop.checkpoint import HeadSpec, read_head_spec
+from outrider.interop.checkpoint import HeadSpec, read_config, read_head_spec
+from outrider.interop.formats.dflash import dflash_issues, is_dflash, read_dflash
 from outrider.interop.engines import CHECKED_ON, installed_version
 from outrider.interop.draft_checks import (
     FAIL,
@@ -298,6 +299,10 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
                              recommendation=rec, target_info=info.to_dict())
 
     draft_path = Path(draft).expanduser()
+    if (draft_path / "config.json").is_file() and is_dflash(read_config(draft_path)):
+        checks += _dflash_checks(draft_path, cfg, info, fp, types)
+        draft_info = read_dflash(draft_path).config.to_dict()
+        return _verdict(target, draft, checks, info, draft_info)
     spec = read_head_spec(draft_path)
     hcfg = spec.config
     if hcfg.draft_vocab_size > info.vocab_size:
@@ -355,6 +360,12 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
     if spec.unsupported:
         checks.append(Check("outrider support", WARN, f"outrider cannot run this head ({', '.join(spec.unsupported)}); "
                             "the engines may still serve it"))
+    return _verdict(target, draft, checks, info, spec.to_dict())
+
+
+def _verdict(target: str | Path, draft: str | Path, checks: list[Check], info: ArchInfo,
+             draft_info: dict[str, Any]) -> InspectReport:
+    """The report of a draft's checks: which engines can serve it, and the first reason none can."""
     engines = {e: not any(c.status == FAIL and c.engine in (None, e) for c in checks) for e in ("vllm", "sglang")}
     ok = [("vLLM" if e == "vllm" else "SGLang") for e, v in engines.items() if v]
     warned = any(c.status == WARN for c in checks)
@@ -364,4 +375,28 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
         first = next(c for c in checks if c.status == FAIL)
         verdict = f"not servable: {first.name}: {first.reason}"
     return InspectReport(target=str(target), draft=str(draft), checks=checks, servable=bool(ok), verdict=verdict,
-                         engines=engines, target_info=info.to_dict(), draft_info=spec.to_dict())
+                         engines=engines, target_info=info.to_dict(), draft_info=draft_info)
+
+
+def _dflash_checks(path: Path, target_cfg: dict[str, Any], info: ArchInfo, fp: dict[str, Any],
+                   types: tuple[str, ...]) -> list[Check]:
+    """A DFlash drafter against the target: its shape, the fit (``formats.dflash.dflash_issues``), the
+    tensors (read back in full), the engines' support and versions."""
+    try:
+        drafter = read_dflash(path)
+    except UserError as e:
+        return [Check("draft", FAIL, f"DFlash drafter: {e}")]
+    c = drafter.config
+    checks = [Check("draft", PASS, f"DFlash block drafter: hidden {c.hidden_size}, {c.num_hidden_layers} layers of "
+                    f"{c.num_attention_heads} heads x {c.head_dim}, block {c.block_size} (k up to {c.max_draft}), "
+                    f"mask token {c.mask_token_id}, draft vocab {c.draft_vocab_size}")]
+    if any((path / n).exists() for n in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")):
+        checks += _tokenizer_checks(fp, tokenizer_fingerprint(path), "its tokenizer files")
+    problems = dflash_issues(c, target_cfg)
+    checks += [Check("fit", FAIL, p) for p in problems]
+    if not problems:
+        checks.append(Check("fit", PASS, f"reads the outputs of layers {c.target_layer_ids} of {info.num_layers} "
+                            f"(outrider aux ids {list(c.aux_layer_ids)}); width and vocabulary the target's"))
+    checks += [replace(ch, name="target aux-state support") for ch in _engine_support(types)]  # DFlash reads them too
+    checks.append(Check("SGLang device", WARN, "SGLang serves DFlash on CUDA (or NPU) devices only", engine="sglang"))
+    return checks + _engine_version_checks()

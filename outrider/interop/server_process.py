@@ -47,15 +47,16 @@ def free_port() -> int:
 
 def error_line(log: str | os.PathLike, fallback: str = "the server exited without a message",
                width: int = 300) -> str:
-    """The last line of ``log`` that names an error (``...Error: ...``), with the indented detail line
-    that follows it (pydantic's ``Value error, ...``), else its last meaningful line; at most
-    ``width`` characters."""
+    """The last line of ``log`` that names an error (``...Error: ...``; not a wrapper that points back
+    at "the root cause above"), with the indented detail line that follows it (pydantic's ``Value
+    error, ...``), else its last meaningful line; at most ``width`` characters."""
     try:
         raw = Path(log).read_text(errors="replace").splitlines()
     except OSError:
         return fallback
     keep = [i for i, ln in enumerate(raw) if not _NOISE.match(ln)]
-    named = [i for i in keep if re.search(r"\b\w*(Error|Exception)\b:", raw[i])]
+    named = [i for i in keep if re.search(r"\b\w*(Error|Exception)\b:", raw[i])
+             and not re.search(r"(root cause|stack trace) above", raw[i])]  # a wrapper pointing back at the cause
     if not keep:
         return fallback
     i = named[-1] if named else keep[-1]

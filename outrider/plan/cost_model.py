@@ -20,7 +20,8 @@ Contract:
 - ``predict`` turns step costs and an ``Acceptance`` into tokens/s and speedup for one
   method, k (draft tokens per round) and batch size. A chain round (EAGLE-3 head, draft model) is
   k forwards of one token per sequence; a parallel-drafting round (P-EAGLE, method ``parallel``)
-  is ONE forward over k positions per sequence; both are verified over k + 1 tokens. EAGLE-2
+  is ONE forward over k positions per sequence, a DFlash round (method ``dflash``) ONE forward of
+  its layers over k + 1; all are verified over k + 1 tokens. EAGLE-2
   trees (``steps`` draft forwards, one target forward over ``draft_tokens``) are priced in
   ``trees`` from the same step costs.
 
@@ -313,6 +314,9 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, tp: int = 1, new_tokens: i
 # --------------------------------------------------------------------------------------------
 
 
+ONE_FORWARD = {"parallel": "parallel", "dflash": "block"}  # methods drafting k tokens in one forward -> draft kind
+
+
 @dataclass(frozen=True)
 class DraftSpec:
     """How a method proposes k tokens: ``ngram`` (free), ``eagle3`` (a head), ``parallel`` (a
@@ -356,6 +360,29 @@ def eagle3_head_shape(target: ArchInfo, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
     return DraftSpec("eagle3", shape, fc_params=3 * H * H)
 
 
+def dflash_shape(target: ArchInfo, layers: int = 1, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
+                 precision: Precision | None = None) -> DraftSpec:
+    """A DFlash block drafter for ``target`` (``heads.dflash``): ``layers`` Qwen3 decoder layers of
+    the target's width and head layout (an MLA target's: plain attention of ``H / heads``), q/k/v over
+    H, the target's MLP width, an lm_head over the draft vocabulary and an fc 3H -> H over the new
+    context states once per round."""
+    H, heads = target.hidden_size, target.num_heads
+    mla = target.attention == "MLA"
+    hd = H // heads if mla else (target.head_dim or H // heads)
+    kv = heads if mla else target.num_kv_heads
+    attn = 2 * H * heads * hd + 2 * H * kv * hd
+    inter = target.intermediate_size or 4 * H
+    bf16 = WEIGHT_FORMATS["bf16"]
+    shape = ModelShape(
+        name="dflash drafter", num_layers=layers, hidden_size=H, num_heads=heads, num_kv_heads=kv, attention="GQA",
+        attn_params=attn, kv_elems_per_token=2 * kv * hd, kv_replicated=False, attn_ctx_flops_per_pos=4 * heads * hd,
+        dense_layers=layers, dense_mlp_params=3 * H * inter, moe_layers=0, num_experts=0, experts_per_token=0,
+        expert_params=0, shared_params=0, router_params=0, lm_head_params=draft_vocab * H,
+        precision=precision or Precision(bf16, bf16),
+    )
+    return DraftSpec("dflash", shape, fc_params=3 * H * H)
+
+
 def draft_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, k: int, batch: int, context: int) -> StepCost:
     """Cost of proposing k tokens for each of b sequences.
 
@@ -363,15 +390,17 @@ def draft_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, k: int, bat
     forwards of one token per sequence, each with its per-layer overhead but no per-step one
     (they run inside the engine's step), plus, for EAGLE-3, one fc over the aux states.
     Parallel drafting: ONE forward over k positions per sequence (the accepted token and k - 1
-    placeholders), plus the fc.
+    placeholders), plus the fc. DFlash: ONE forward of its layers over k + 1 positions (the newest
+    token and k masks), plus the fc.
     """
     measured = draft.measured_round_by_batch.get((k, batch), draft.measured_round_s.get(k))
     if measured is not None:
         return StepCost((Term("draft (measured)", measured, bound="overhead"),), k, batch, context)
     if draft.method == "ngram" or draft.shape is None:
         return StepCost((Term("draft (n-gram lookup)", 0.0, bound="overhead"),), k, batch, context)
-    if draft.method == "parallel":
-        cost = step_cost(draft.shape, hw, tp, k, batch, context, include_step_overhead=False).scaled(1.0, "draft ")
+    if draft.method in ("parallel", "dflash"):
+        n = k + 1 if draft.method == "dflash" else k
+        cost = step_cost(draft.shape, hw, tp, n, batch, context, include_step_overhead=False).scaled(1.0, "draft ")
     else:
         one = step_cost(draft.shape, hw, tp, 1, batch, context, include_step_overhead=False)
         cost = one.scaled(k, prefix="draft ")
@@ -408,7 +437,7 @@ class Prediction:
     tokens_per_round: float | None = None  # lockstep: tokens a row gains per round of its batch
     memory_bytes: float = 0.0  # per GPU: weights + KV cache at the plan's context (``memory_per_gpu``)
     fits: bool = True  # memory_bytes within the GPU's memory
-    draft_kind: str = "chain"  # "chain" | "tree" (EAGLE-2 budget) | "parallel" (one draft forward)
+    draft_kind: str = "chain"  # "chain" | "tree" (EAGLE-2 budget) | "parallel" | "block" (one draft forward)
     tree: tuple[int, int, int] | None = None  # SGLang's (topk, steps, draft_tokens); a chain of k is (1, k, k+1)
     launch: str | None = None  # the serving flags of this row (SGLang's for EAGLE-3 chains and trees)
 
@@ -463,4 +492,4 @@ def predict(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, acceptance
     ar_tps = batch / ar.total_s
     return Prediction(draft.method, k, batch, e, ar.total_s, verify.total_s, drafting.total_s,
                       spec_tps, ar_tps, spec_tps / ar_tps, verify.total_s / ar.total_s, verify, drafting,
-                      draft_kind="parallel" if draft.method == "parallel" else "chain")
+                      draft_kind=ONE_FORWARD.get(draft.method, "chain"))

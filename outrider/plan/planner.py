@@ -10,11 +10,12 @@ Contract:
   ``outrider.records``, with ``method``, ``k``, ``accept_rate_per_pos``, ``tau``), or from ``tau`` (at ``tau_k`` draft tokens) or
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
   low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed. Parallel drafting
-  (method ``parallel``: one draft forward over k positions) is planned only from its records.
+  (method ``parallel``: one draft forward over k positions) and DFlash (``dflash``: one forward of
+  ``dflash_layers`` layers over k + 1) are planned only from their records.
 - Tree records (method ``eagle3`` with ``topk``/``steps``/``draft_tokens`` or ``tree_paths``, and
   ``tau``; ``trees.budget_of``) give one row per measured budget (method ``eagle3-tree``, tokens
   per round = the measured tau, never extrapolated); a topk-1 record is the chain k = steps.
-  Rows carry ``draft`` (chain | tree | parallel), ``topk``/``steps``/``draft_tokens`` and
+  Rows carry ``draft`` (chain | tree | parallel | block), ``topk``/``steps``/``draft_tokens`` and
   ``launch`` (SGLang's flags for EAGLE-3 chains and trees). The recommendation is the fastest row
   that fits; chains come first, so a tree must be strictly faster to be chosen.
 - ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
@@ -43,6 +44,7 @@ activations and engine workspace in the memory estimate.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,6 +67,7 @@ from outrider.plan.cost_model import (
     DraftSpec,
     ModelShape,
     Prediction,
+    dflash_shape,
     eagle3_head_shape,
     kv_bytes_per_token,
     memory_per_gpu,
@@ -86,7 +89,7 @@ from outrider.provenance import git_commit, today
 
 PUBLISHED_EAGLE3_TAU = 3.0  # published EAGLE-3 heads for Kimi-K2.5: acceptance length ~2.7-3.3 at k=3
 NGRAM_ALPHA = 0.2  # assumed n-gram acceptance on reasoning output, which rarely repeats
-METHODS = ("eagle3", "draft", "ngram", "parallel")
+METHODS = ("eagle3", "draft", "ngram", "parallel", "dflash")
 TREE_METHODS = ("eagle3",)  # methods whose draft trees are priced (EAGLE-2 over an EAGLE-3 head)
 
 
@@ -286,6 +289,23 @@ def _option(p: Prediction, sep: str = " with ") -> str:
     return f"{p.method}{sep}k={p.k}"
 
 
+def _dflash_layers(acceptance: str | None) -> int:
+    """The layers of the DFlash drafter a bench file's ``dflash`` record ran (its folder's config.json;
+    1 when it cannot be read)."""
+    if acceptance is None:
+        return 1
+    for r in read_records(acceptance):
+        folder = Path(str(r.get("draft") or "")).expanduser()
+        if r.method == "dflash" and (folder / "config.json").is_file():
+            try:
+                layers = json.loads((folder / "config.json").read_text()).get("num_hidden_layers")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(layers, int) and layers >= 1:
+                return layers
+    return 1
+
+
 def _launch(p: Prediction) -> Prediction:
     """Name a chain or parallel row's serving settings (trees name theirs in ``predict_tree``)."""
     if p.method == "eagle3" and p.draft_kind == "chain":
@@ -294,6 +314,9 @@ def _launch(p: Prediction) -> Prediction:
     if p.method == "parallel":
         return replace(p, launch=f"vLLM --speculative-config '{{\"method\": \"eagle3\", \"model\": HEAD, "
                                  f"\"num_speculative_tokens\": {p.k}, \"parallel_drafting\": true}}'")
+    if p.method == "dflash":
+        return replace(p, launch=f"vLLM --speculative-config '{{\"method\": \"dflash\", \"model\": DRAFTER, "
+                                 f"\"num_speculative_tokens\": {p.k}}}'")
     return p
 
 
@@ -385,8 +408,10 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         raise UserError(f"--new-tokens must be an integer >= 1, got {new_tokens!r}")
 
     head = eagle3_head_shape(arch, draft_vocab)
+    dflash_layers = _dflash_layers(acceptance)
     drafts: dict[str, DraftSpec] = {"eagle3": head, "ngram": DraftSpec("ngram"),
-                                    "parallel": replace(head, method="parallel")}
+                                    "parallel": replace(head, method="parallel"),
+                                    "dflash": dflash_shape(arch, dflash_layers, draft_vocab)}
     if draft is not None:
         dname, darch, dprec = resolve_target(draft)
         if darch.vocab_size != arch.vocab_size:

@@ -26,7 +26,7 @@ def _offline_fields(records: list[dict[str, Any]], target: str, draft: str | Non
                     method: str) -> None:
     spec_k = next((r["k"] for r in records if r.get("tau") is not None and r.get("k")), k)
     local = offline.local_run(target, texts, max_new_tokens, draft=draft, k=spec_k, device=device, dtype=dtype,
-                              method="parallel" if method == "parallel" else "eagle3")
+                              method=method if method in ("parallel", "dflash") else "eagle3")
     checks = []
     if draft is not None:
         from outrider.interop import inspect as compat

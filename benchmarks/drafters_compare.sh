@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# EAGLE-3, P-EAGLE and DFlash side by side: each trained on the same data for the same optimizer
+# steps (the preset's, no time budget), then benched on the same held-out prompts at batch 1 and 8,
+# greedy, k draft tokens per round (every draft checked lossless against plain decoding).
+#
+#   bash benchmarks/drafters_compare.sh OUT_DIR [K]        (from the repository root; no network needed)
+#
+# The data is OUT_DIR/demo/data, made by `outrider demo --out OUT_DIR/demo` when missing (quick
+# preset on a CPU, full on CUDA). DFlash trains blocks of K + 1 (K drafts per forward, as the
+# others' K unrolled steps) with dflash_layers DFLASH_LAYERS (default 1). Default K: 3 on a CPU
+# (the quick preset's unroll), 5 on CUDA. Records: OUT_DIR/bench-METHOD-bB.json; the table:
+# OUT_DIR/table.md.
+set -euo pipefail
+
+out=${1:?usage: bash benchmarks/drafters_compare.sh OUT_DIR [K]}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+cuda=$(python -c 'import torch; print(int(torch.cuda.is_available()))')
+k=${2:-$([ "$cuda" = 1 ] && echo 5 || echo 3)}
+layers=${DFLASH_LAYERS:-1}
+if [ "$cuda" = 1 ]; then prompts=32; tokens=128; else prompts=16; tokens=48; fi
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  git rev-parse HEAD 2>/dev/null || echo "no git"
+  python -c 'import torch, platform; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu", "torch", torch.__version__)'
+  echo "k=$k dflash_layers=$layers prompts=$prompts max_new_tokens=$tokens"
+} > "$out/env.txt"
+
+[ -d "$out/demo/data" ] || python -m outrider demo --out "$out/demo"
+steps=$(python - "$k" "$layers" "$out" <<'EOF'
+import json, sys
+from outrider.config import TrainConfig
+import torch
+k, layers, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+base = TrainConfig.preset("full" if torch.cuda.is_available() else "quick")
+common = {"time_budget_s": 0, "ttt_steps": k, "tau_k": k}
+json.dump(common, open(f"{out}/eagle3.json", "w"))
+json.dump(common, open(f"{out}/parallel.json", "w"))
+json.dump({**common, "block_size": k + 1, "dflash_layers": layers}, open(f"{out}/dflash.json", "w"))
+print(base.steps)
+EOF
+)
+echo "training each drafter for $steps optimizer steps" | tee -a "$out/env.txt"
+
+train() {  # train NAME FLAGS...
+  local name=$1
+  shift
+  [ -f "$out/$name/head/config.json" ] && return 0
+  python -m outrider train default --data "$out/demo/data" --out "$out/$name" --config "$out/$name.json" "$@" \
+    2>&1 | tee "$out/train-$name.log"
+}
+train eagle3
+train parallel --parallel-drafting
+train dflash --drafter dflash
+
+for b in 1 8; do
+  for m in eagle3 parallel dflash; do
+    python -m outrider bench default --method "$m" --draft "$out/$m/head" --k "$k" --batch-size "$b" \
+      --num-prompts "$prompts" --max-new-tokens "$tokens" --quiet --json "$out/bench-$m-b$b.json" \
+      2>&1 | tee "$out/bench-$m-b$b.log"
+  done
+done
+
+python - "$out" <<'EOF' | tee "$out/table.md"
+import json, sys
+from pathlib import Path
+from outrider.records import read_records
+out = Path(sys.argv[1])
+print("| method | batch | k | tau | draft ms / round | verify ms | tokens/s | speedup vs AR | lossless |")
+print("|---|---|---|---|---|---|---|---|---|")
+for b in (1, 8):
+    for m in ("eagle3", "parallel", "dflash"):
+        (r,) = read_records(out / f"bench-{m}-b{b}.json")
+        print(f"| {m} | {b} | {r.k} | {r.tau:.2f} | {r['draft_step_ms']:.2f} | {r['verify_step_ms']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['verdict']} |")
+for m in ("eagle3", "parallel", "dflash"):
+    evals = [json.loads(l) for l in (out / m / "metrics.jsonl").read_text().splitlines()]
+    last = [e for e in evals if e.get("type") == "eval"][-1]
+    print(f"\n{m}: step {last['step']}, walked tau@{len(last['per_step_acc'])} on the eval split "
+          f"{last.get('walk_tau_k', float('nan')):.3f}, per-step accuracy {[round(a, 3) for a in last['per_step_acc']]}")
+EOF
