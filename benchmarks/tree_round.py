@@ -21,10 +21,9 @@ import sys
 import torch
 
 from outrider.bench.local import load_prompts
-from outrider.decode.proposers import PROPOSERS
-from outrider.interop.drafts import build_proposer
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
+from outrider.interop.drafts import build_proposer
 from outrider.fsutil import write_json_output
 from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 from outrider.models import load_model
@@ -34,11 +33,11 @@ from outrider.provenance import git_commit, today
 TREES = ((1, 3, 4), (1, 5, 6), (2, 3, 8), (4, 2, 8), (4, 3, 16), (4, 4, 16))
 
 
-def random_head(model: torch.nn.Module, draft_vocab: int = 4096, seed: int = 0) -> Eagle3Head:
+def random_head(model: torch.nn.Module, draft_vocab: int = 4096, seed: int = 0, **options) -> Eagle3Head:
     """A frozen, randomly initialised EAGLE-3 head sized for ``model`` (its draft vocabulary the
-    target's first ``draft_vocab`` ids)."""
+    target's first ``draft_vocab`` ids; ``options``: ``Eagle3Config.for_target``'s, e.g. P-EAGLE's)."""
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab))
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab, **options))
     V = model.config.vocab_size
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:draft_vocab] = True

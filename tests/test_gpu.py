@@ -60,6 +60,25 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
         assert graphs[0] is not None and graphs[1] is graphs[0]
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_dflash_graphs_equal_transformers(tiny_kind, cuda_models, compile):
+    """The DFlash drafter's forward replayed as a graph per (batch, k), the cache kept per batch size:
+    greedy tokens equal plain generate's, on a second pass too (its graphs reused)."""
+    from test_dflash import random_drafter
+
+    from outrider.decode.proposers.dflash import DFlashProposer
+
+    model, refs = cuda_models(tiny_kind)
+    proposer = DFlashProposer(random_drafter(model).cuda(), model)
+    for rounds in (0, None):  # no engine rounds (propose's own graph), then the engine's (propose_device)
+        engine = SpecEngine(model, proposer, k=3, graphs=True, compile=compile,
+                            **({"rounds": rounds} if rounds is not None else {}))
+        for _ in range(2):
+            got = engine.generate(_prompts()[:1], MAX_NEW).tokens + engine.generate(_prompts()[1:], MAX_NEW).tokens
+            assert got == refs
+    assert proposer._pool and all(graphs for _, graphs in proposer._pool.values())
+
+
 def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
     """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
     eager forward) gives the eager forward's logits and aux states, and the step after it the

@@ -12,7 +12,11 @@ queries seeing the context slots ``< p`` and each other, as vLLM's DFlash propos
 is at most ``block_size - 1`` (the block the drafter was trained on). Every update is an in-place
 device operation (``device_side``, ``device_rounds``).
 
-Not done here: CUDA graphs and ``torch.compile`` of the forward (it runs eager), trees.
+On CUDA with ``graphs=True`` and greedy drafting, ``propose`` replays the forward and its argmax
+as one CUDA graph per (batch, k); the cache (sized in steps of 512 positions) and its graphs are
+kept per batch size for later requests, as the EAGLE-3 proposer keeps its own.
+
+Not done here: ``torch.compile`` of the forward, trees.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from outrider.decode.proposers.parallel import block_draws
 from outrider.decode.sampling import RowRandom
 from outrider.errors import UserError
 from outrider.heads.dflash import DFlashDrafter
+from outrider.ops.graphs import capture_graph
 
 
 class DFlashCache:
@@ -37,6 +42,7 @@ class DFlashCache:
         self.keys = torch.zeros(layers, batch, kv_heads, max_len + 1, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed positions
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] newest token, not in the context
         self.slots = torch.arange(max_len + 1, device=device)
 
     def write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, valid: torch.Tensor) -> None:
@@ -66,6 +72,7 @@ class DFlashProposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
+        self._pool: dict[int, tuple[DFlashCache, dict]] = {}  # graph mode: batch size -> (cache, graphs by k)
 
     @classmethod
     def build(cls, target: torch.nn.Module, draft: DFlashDrafter = None, **options: object) -> "DFlashProposer":
@@ -76,10 +83,20 @@ class DFlashProposer(Proposer):
         cfg, dev = self.drafter.config, ctx.device
         B = len(ctx.histories)
         self.dev = dev
-        self.cache = DFlashCache(cfg.num_hidden_layers, B, ctx.max_len, cfg.num_key_value_heads, cfg.head_dim,
-                                 self.drafter.fc.weight.dtype, dev)
+        self.use_graphs = ctx.graphs and dev.type == "cuda" and ctx.sampling.greedy
+        old = self._pool.get(B) if self.use_graphs else None
+        if old is not None and old[0].max_len >= ctx.max_len:
+            self.cache, self._graphs = old  # stale entries sit past the lengths: never seen
+            self.cache.lengths.zero_()
+        else:
+            size = -(-ctx.max_len // 512) * 512 if self.use_graphs else ctx.max_len
+            self.cache = DFlashCache(cfg.num_hidden_layers, B, size, cfg.num_key_value_heads, cfg.head_dim,
+                                     self.drafter.fc.weight.dtype, dev)
+            self._graphs: dict[int, tuple] = {}
+            if self.use_graphs:
+                self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
-        self.last = ctx.last.to(dev).clone()  # [batch] the newest committed token, not yet in the context
+        self.cache.last.copy_(ctx.last.to(dev))
         W = ctx.target_aux.shape[1]
         positions = torch.arange(W, device=dev)[None, :].expand(B, W)
         valid = positions < ctx.prompt_lens.to(dev)[:, None]  # [batch, W]: right padding
@@ -95,8 +112,8 @@ class DFlashProposer(Proposer):
         if not 1 <= k <= cfg.max_draft:
             raise UserError(f"this DFlash drafter drafts at most {cfg.max_draft} tokens per round (block_size "
                             f"{cfg.block_size}): use k in 1..{cfg.max_draft}")
-        B = self.last.shape[0]
-        tokens = torch.cat([self.last[:, None], self.last.new_full((B, k), cfg.mask_token_id)], dim=1)  # [B, k+1]
+        last = self.cache.last
+        tokens = torch.cat([last[:, None], last.new_full((last.shape[0], k), cfg.mask_token_id)], dim=1)  # [B, k+1]
         positions = self.cache.lengths[:, None] + torch.arange(k + 1, device=self.dev)  # [B, k+1]
         with torch.no_grad():
             embeds = self.embedding(tokens)  # [B, k+1, H]
@@ -104,8 +121,18 @@ class DFlashProposer(Proposer):
         h = self.drafter.block(embeds, positions, ctx, self.cache.mask(k + 1))  # [B, k+1, H]
         return self.drafter.compute_logits(h[:, 1:])
 
+    def _greedy(self, k: int) -> torch.Tensor:
+        return self.drafter.map_to_target(self._forward(k).argmax(-1))
+
     @torch.no_grad()
     def propose(self, k: int) -> Draft:
+        if self.use_graphs:
+            if k not in self._graphs:
+                self._forward(k)  # refuses a k past the block before anything is captured
+                self._graphs[k] = capture_graph(lambda: self._greedy(k), self.dev, warmups=2)
+            graph, tokens = self._graphs[k]
+            graph.replay()
+            return Draft.chain(tokens.clone(), torch.full((tokens.shape[0],), k, device=self.dev), None)
         tokens, q = block_draws(self._forward(k), self.drafter.map_to_target, self.ctx.sampling, self.rand,
                                 self.vocab)
         return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=self.dev), q)
@@ -113,7 +140,7 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose_device(self, k: int) -> torch.Tensor:
         """Greedy draft tokens [batch, k] as plain device operations."""
-        return self.drafter.map_to_target(self._forward(k).argmax(-1))
+        return self._greedy(k)
 
     @torch.no_grad()
     def observe(self, outcome: Outcome) -> None:
@@ -122,10 +149,10 @@ class DFlashProposer(Proposer):
         j = torch.arange(D1, device=self.dev)
         positions = self.cache.lengths[:, None] + j  # [batch, D+1]: the root's position, then its accepted drafts'
         self._commit(outcome.target_aux, positions, j[None, :] <= n_acc[:, None])
-        self.last.copy_(outcome.tokens.to(self.dev).gather(1, n_acc[:, None])[:, 0])
+        self.cache.last.copy_(outcome.tokens.to(self.dev).gather(1, n_acc[:, None])[:, 0])
 
     def device_state(self) -> list[torch.Tensor]:
-        return [self.cache.lengths, self.last]
+        return [self.cache.lengths, self.cache.last]
 
     def device_anchor(self) -> object:
         return self.cache
