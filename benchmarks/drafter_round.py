@@ -9,7 +9,7 @@ the same k and batch, against the planner's price of the same round.
 The drafters are randomly initialised and sized for the target (DFlash with ``--dflash-layers``):
 they accept little, which changes how many rounds a text takes but not what one round does. Each
 setting decodes the same prompts and reports the milliseconds of drafting per round (the engine's
-marks), the verification's, tau, and whether the tokens equal plain greedy decoding; ``planned_ms``
+marks), the verification's, tau, and whether the tokens equal plain greedy decoding; ``planned_draft_ms``
 is the planner's draft-round price for the same shape on ``--hardware`` (a GPU profile; on the CPU
 only the measured column means anything).
 """
@@ -82,17 +82,17 @@ def main() -> int:
                                     compile=a.compile)
                 best = None
                 for rep in range(3):  # the first pass warms up (graphs, compilation); the best of two is kept
-                    outs, steps, tokens, propose, verify = [], 0, 0, 0.0, 0.0
+                    outs, steps, taus, propose, verify = [], 0, [], 0.0, 0.0
                     for i in range(0, len(prompts), b):
                         r = engine.generate(prompts[i:i + b], a.max_new_tokens)
                         outs.extend(r.tokens)
-                        steps, tokens = steps + r.steps, tokens + r.new_tokens
+                        steps, taus = steps + r.steps, taus + [r.tau]
                         propose, verify = propose + r.propose_s, verify + r.verify_s
                     if rep and (best is None or propose < best[0]):
-                        best = (propose, verify, steps, tokens, outs)
-                propose, verify, steps, tokens, outs = best
+                        best = (propose, verify, steps, sum(taus) / len(taus), outs)
+                propose, verify, steps, tau, outs = best
                 planned = draft_round_cost(prices[method], hw, 1, k, b, 512).total_s
-                row = {"method": method, "batch": b, "k": k, "rounds": steps, "tau": tokens / max(steps, 1) / b,
+                row = {"method": method, "batch": b, "k": k, "rounds": steps, "tau": tau,
                        "draft_ms": 1e3 * propose / steps, "verify_ms": 1e3 * verify / steps,
                        "planned_draft_ms": 1e3 * planned, "equal_to_greedy": outs == plain}
                 rows.append(row)
