@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile the target's step")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="3,5,7")
+    ap.add_argument("--methods", default="eagle3,parallel,dflash")
     ap.add_argument("--dflash-layers", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per batch row")
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -69,6 +70,7 @@ def main() -> int:
     head = random_head(model)
     parallel = random_head(model, parallel_drafting=True, mask_token_id=0)
     drafter = random_drafter(model, a.dflash_layers, max(ks) + 1)
+    drafts = {"eagle3": head, "parallel": parallel, "dflash": drafter}
     arch, hw = arch_info(model.config), load_profile(a.hardware)
     prices = {"eagle3": eagle3_head_shape(arch, 4096), "dflash": dflash_shape(arch, a.dflash_layers, 4096)}
     prices["parallel"] = replace(prices["eagle3"], method="parallel")
@@ -77,7 +79,7 @@ def main() -> int:
         prompts = load_prompts(tok, "sharegpt", a.num_prompts * b)
         plain = SpecEngine(model, None, eos_ids=eos).generate(prompts, a.max_new_tokens).tokens
         for k in ks:
-            for method, draft in (("eagle3", head), ("parallel", parallel), ("dflash", drafter)):
+            for method, draft in ((m, drafts[m]) for m in a.methods.split(",")):
                 engine = SpecEngine(model, PROPOSERS[method].build(model, draft), k=k, eos_ids=eos, graphs=a.graphs,
                                     compile=a.compile)
                 best = None

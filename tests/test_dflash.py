@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny import make_tiny
+from tiny import make_tiny, random_vocab
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers import PROPOSERS
@@ -31,11 +31,7 @@ def random_drafter(model, seed=0, block_size=6, layers=2, draft_vocab=64, aux=(1
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():  # sharper than the default init: fewer near-ties in the draft argmax
         drafter.lm_head.weight.mul_(20.0)
-    V = model.config.vocab_size
-    kept = torch.randperm(V)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    drafter.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    drafter.set_vocab(*random_vocab(model.config.vocab_size, draft_vocab))
     return drafter.eval().requires_grad_(False)
 
 

@@ -83,12 +83,16 @@ def random_head(model, draft_vocab: int = 64, seed: int = 0, aux_layer_ids=(0, 1
     cfg = Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layer_ids, **options)
     torch.manual_seed(seed)
     head = Eagle3Head(cfg)
-    V = model.config.vocab_size
-    kept = torch.randperm(V)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    head.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    head.set_vocab(*random_vocab(model.config.vocab_size, draft_vocab))
     return head.eval().requires_grad_(False)
+
+
+def random_vocab(vocab: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a draft vocabulary that is a random subset of ``vocab`` ids (torch's global RNG)."""
+    kept = torch.randperm(vocab)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return kept - torch.arange(draft_vocab), t2d
 
 
 def assert_rounds_are_the_ttt_unroll(model, head, rounds, k: int) -> None:

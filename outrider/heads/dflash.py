@@ -40,7 +40,15 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from outrider.errors import UserError
-from outrider.heads.eagle3 import AUX_IDS_SEMANTICS, Eagle3Head, Rotary, _required, _rope_from_config, _text_config
+from outrider.heads.eagle3 import (
+    AUX_IDS_SEMANTICS,
+    Eagle3Config,
+    Eagle3Head,
+    Rotary,
+    required_field,
+    rope_from_config,
+    text_config,
+)
 from outrider.models import arch_info
 
 DRAFTER = "dflash"  # the ``outrider.drafter`` a DFlash checkpoint records
@@ -113,8 +121,8 @@ class DFlashConfig:
         if bad:
             raise UserError(f"aux layer ids {bad} out of range for a DFlash drafter: ids 1..{info.num_layers} "
                             f"(the target has {info.num_layers} layers)")
-        text = _text_config(cfg)
-        rope_theta, rope_scaling = _rope_from_config(text)
+        text = text_config(cfg)
+        rope_theta, rope_scaling = rope_from_config(text)
         mla = info.attention == "MLA"
         return cls(
             hidden_size=info.hidden_size, num_hidden_layers=int(num_layers), num_attention_heads=info.num_heads,
@@ -136,7 +144,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
         names = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in d and _required(f)]
+        missing = [f.name for f in fields(cls) if f.name not in d and required_field(f)]
         if missing:
             raise UserError(f"DFlash drafter config lacks {', '.join(missing)}: not a config written by outrider")
         if d.get("aux_layer_ids_semantics", AUX_IDS_SEMANTICS) != AUX_IDS_SEMANTICS:
@@ -144,10 +152,7 @@ class DFlashConfig:
                             f"outrider expects '{AUX_IDS_SEMANTICS}'")
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def rope_parameters(self) -> dict[str, Any]:
-        params = dict(self.rope_scaling or {"rope_type": "default"})
-        params["rope_theta"] = self.rope_theta
-        return params
+    rope_parameters = Eagle3Config.rope_parameters  # the same rope fields, the same form
 
     def llama_config(self) -> LlamaConfig:
         """The sizes as a ``LlamaConfig`` (rotary and MLP building blocks)."""

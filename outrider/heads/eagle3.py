@@ -159,8 +159,8 @@ class Eagle3Config:
         unknown = sorted(set(options) - set(OPTIONS) - set(MLA_FIELDS))
         if unknown:
             raise UserError(f"unknown head option(s) {', '.join(unknown)}: use {', '.join(OPTIONS + MLA_FIELDS)}")
-        text = _text_config(cfg)
-        rope_theta, rope_scaling = _rope_from_config(text)
+        text = text_config(cfg)
+        rope_theta, rope_scaling = rope_from_config(text)
         mla = info.attention == "MLA"
         intermediate = info.intermediate_size or math.ceil(8 * info.hidden_size / 3 / 64) * 64  # SwiGLU 8H/3
         extra: dict[str, Any] = {}
@@ -193,7 +193,7 @@ class Eagle3Config:
         build can still be described); ``dataclasses.replace`` of it validates."""
         cfg = object.__new__(cls)
         for f in fields(cls):
-            setattr(cfg, f.name, values[f.name] if f.name in values else None if _required(f) else f.default)
+            setattr(cfg, f.name, values[f.name] if f.name in values else None if required_field(f) else f.default)
         return cfg
 
     @property
@@ -214,7 +214,7 @@ class Eagle3Config:
         """Inverse of ``to_dict``; unknown keys are ignored, missing required ones are a ``UserError``."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        missing = [f.name for f in fields(cls) if f.name not in kwargs and _required(f)]
+        missing = [f.name for f in fields(cls) if f.name not in kwargs and required_field(f)]
         if missing:
             raise UserError(f"EAGLE-3 head config lacks {', '.join(missing)}: not a config written by outrider")
         semantics = d.get("aux_layer_ids_semantics")
@@ -242,11 +242,11 @@ class Eagle3Config:
         )
 
 
-def _required(f) -> bool:
+def required_field(f) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in _TEXT_CONFIG_KEYS:
         inner = cfg.get(key)
         if isinstance(inner, dict) and inner.get("hidden_size"):
@@ -266,7 +266,7 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     return out
 
 
-def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a raw config.json or a transformers>=5 dict."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:

@@ -66,6 +66,18 @@ class ParallelProposer(Eagle3Proposer):
         return block_draws(self.head.compute_logits(h), self.head.map_to_target, self.ctx.sampling, self.rand,
                            self.vocab)
 
+    @torch.no_grad()
+    def propose(self, k: int) -> Draft:
+        self._prompt_pending = False
+        tokens, q = self._draws(self._forward(*self.pending, k))
+        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=self.dev), q)
+
+    @torch.no_grad()
+    def propose_device(self, k: int) -> torch.Tensor:
+        """Greedy draft tokens [batch, k] as plain device operations."""
+        self._prompt_pending = False
+        return self._draws(self._forward(*self.pending, k))[0]
+
 
 def block_draws(logits: torch.Tensor, to_target: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
                 rand: RowRandom, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,15 +92,3 @@ def block_draws(logits: torch.Tensor, to_target: Callable[[torch.Tensor], torch.
     q = qd.new_zeros(B, k, vocab)
     q[:, :, to_target(torch.arange(Vd, device=qd.device))] = qd
     return to_target(d), q
-
-    @torch.no_grad()
-    def propose(self, k: int) -> Draft:
-        self._prompt_pending = False
-        tokens, q = self._draws(self._forward(*self.pending, k))
-        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=self.dev), q)
-
-    @torch.no_grad()
-    def propose_device(self, k: int) -> torch.Tensor:
-        """Greedy draft tokens [batch, k] as plain device operations."""
-        self._prompt_pending = False
-        return self._draws(self._forward(*self.pending, k))[0]

@@ -39,9 +39,10 @@ CHUNK = 64  # anchors per dense attention call
 
 
 def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, steps: int, num_anchors: int,
-                   generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                   seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``counted_positions`` restricted to at most ``num_anchors`` anchors ``t`` per row, drawn
-    uniformly without replacement (host tensors; ``generator`` makes the draw reproducible)."""
+    uniformly without replacement (host tensors; the same ``seed`` draws the same)."""
+    generator = torch.Generator().manual_seed(seed)
     index = counted_positions(loss_mask, attention_mask, steps)
     B, S = loss_mask.shape
     any_step = torch.zeros(B, S, dtype=torch.bool)

@@ -66,3 +66,14 @@ def head_attention_flops(config: Any, tokens: int, pairs: int, steps: int) -> fl
     # query heads x (key width for q k^T + value width for p v); MLA values are narrower than its keys
     width = config.num_attention_heads * (config.head_dim + getattr(config, "value_dim", config.head_dim))
     return sum(6.0 * (pairs + j * tokens) * width for j in range(steps))
+
+
+def dflash_flops(config: Any, body: int, lm: int, tokens: int, counted: torch.Tensor, pairs: int) -> tuple[float, float]:
+    """(weights FLOPs, attention FLOPs) of a DFlash drafter's forward and backward over a step: every
+    anchor's block of ``block_size`` positions through the layers (anchors: the positions counted at
+    the first draft), lm_head at the counted positions, each block attending over the mean context
+    (``pairs / tokens``) and itself."""
+    m, anchors = config.block_size, float(counted[0])
+    weights = 6.0 * body * anchors * m + 6.0 * lm * float(counted.sum())
+    span = pairs / max(tokens, 1) + m
+    return weights, 12.0 * anchors * m * span * config.num_attention_heads * config.head_dim * config.num_hidden_layers

@@ -135,6 +135,8 @@ class _Trainer:
                 raise UserError(f"--drafter {drafter}: the run being resumed trains a {self.config.drafter} drafter; "
                                 "drop the flag or start a new run")
             self.config = self.config.replace(drafter=drafter)
+        if self.config.drafter == "dflash" and self.init is not None:
+            raise UserError("--init fine-tunes an EAGLE-3 head; a DFlash drafter trains from scratch: drop --init")
         if flag and not self.config.parallel_drafting:
             if self.resume_state is not None:
                 raise UserError("--parallel-drafting: the run being resumed trains an EAGLE-3 head; drop the flag "
@@ -195,10 +197,11 @@ class _Trainer:
         # aux ids in ascending order: fc's column order is arbitrary and the engines capture in layer order
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
         if cfg.drafter == "dflash":
-            self._build_dflash(init_head, aux_ids)
-            return
-        head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
-                                           attention=cfg.head_attention, **cfg.head_options())
+            head_cfg = DFlashConfig.for_target(target_cfg, self.vocab.draft_vocab_size, cfg.mask_token_id,
+                                               cfg.block_size, cfg.dflash_layers, aux_ids)
+        else:
+            head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
+                                               attention=cfg.head_attention, **cfg.head_options())
         if len(set(head_cfg.aux_layer_ids)) != 3:
             raise UserError(f"aux layer ids {list(head_cfg.aux_layer_ids)} repeat a layer (the target has "
                             f"{arch_info(target_cfg).num_layers} layers), so no engine could serve the head: "
@@ -208,32 +211,15 @@ class _Trainer:
             head_init.check_init_fits(init_head.config, head_cfg)
             head_cfg = init_head.config
         torch.manual_seed(cfg.seed)
-        self.head = Eagle3Head(head_cfg)
+        self.head = DFlashDrafter(head_cfg) if cfg.drafter == "dflash" else Eagle3Head(head_cfg)
         self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
         if init_head is not None:
             self.head.load_state_dict(init_head.state_dict())
         else:
             if cfg.init_from_target:
                 head_init.init_from_target(self.head, self.target, self.vocab.draft_ids)
-            if cfg.init_layer_from_target:
+            if cfg.init_layer_from_target and cfg.drafter != "dflash":
                 head_init.init_layer_from_target(self.head, self.target.last_layer())
-        if self.resume_state is not None:
-            self._load_head_weights(self.last_dir / "head")
-        self.head.to(self.env.device)
-
-    def _build_dflash(self, init_head: Any, aux_ids: Sequence[int] | None) -> None:
-        """A DFlash drafter (``heads.dflash``): fresh (lm_head and norm from the target) or the checkpoint's."""
-        cfg = self.config
-        if init_head is not None:
-            raise UserError("--init fine-tunes an EAGLE-3 head; a DFlash drafter trains from scratch: drop --init")
-        head_cfg = DFlashConfig.for_target(self.target.config, self.vocab.draft_vocab_size, cfg.mask_token_id,
-                                           cfg.block_size, cfg.dflash_layers, aux_ids)
-        self.config = cfg.replace(aux_layer_ids=head_cfg.aux_layer_ids)
-        torch.manual_seed(cfg.seed)
-        self.head = DFlashDrafter(head_cfg)
-        self.head.set_vocab(self.vocab.d2t, self.vocab.t2d)
-        if cfg.init_from_target:
-            head_init.init_from_target(self.head, self.target, self.vocab.draft_ids)
         if self.resume_state is not None:
             self._load_head_weights(self.last_dir / "head")
         self.head.to(self.env.device)
@@ -247,8 +233,7 @@ class _Trainer:
         if cfg.drafter != "dflash":
             return counted_positions(batch.loss_mask, batch.attention_mask, cfg.ttt_steps)
         seed = (cfg.seed * 1_000_003 + int(where["epoch"]) * 100_003 + int(where["batch"])) * 4096 + self.env.rank
-        generator = torch.Generator().manual_seed(seed)
-        return sample_anchors(batch.loss_mask, batch.attention_mask, cfg.draft_steps, cfg.num_anchors, generator)
+        return sample_anchors(batch.loss_mask, batch.attention_mask, cfg.draft_steps, cfg.num_anchors, seed)
 
     def _build_optimizer(self) -> None:
         env, cfg = self.env, self.config
@@ -306,14 +291,9 @@ class _Trainer:
         c = self.head.config
         lm = c.hidden_size * c.draft_vocab_size
         steps = self.config.draft_steps
-        if self.config.drafter == "dflash":  # blocks of m positions per anchor; attention over the mean context
-            m, anchors = c.block_size, float(counted[0])
-            weights = self.flops_per_token_target * tokens + flops.head_flops(self.head_params - lm, lm, 1,
-                                                                              float(counted.sum()), 0)
-            weights += 6.0 * (self.head_params - lm) * anchors * m
-            span = pairs / max(tokens, 1) + m
-            return weights, self.target.attention_flops(pairs) + 12.0 * anchors * m * span * (
-                c.num_attention_heads * c.head_dim * c.num_hidden_layers)
+        if self.config.drafter == "dflash":  # blocks of m positions per anchor (``flops.dflash_flops``)
+            head, attention = flops.dflash_flops(c, self.head_params - lm, lm, tokens, counted, pairs)
+            return self.flops_per_token_target * tokens + head, self.target.attention_flops(pairs) + attention
         weights = (self.flops_per_token_target * tokens
                    + flops.head_flops(self.head_params - lm, lm, tokens, float(counted.sum()), steps))
         attention = (self.target.attention_flops(pairs)
