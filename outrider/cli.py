@@ -485,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="the export folder: new, empty, or an earlier export (replaced)")
     sp.add_argument("--target", default=None, help="the target the head serves (recorded; checked)")
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    sp.add_argument("--num-speculative-tokens", type=K, default=3,
-                    help="k written into the launch commands (1..64)")
+    sp.add_argument("--num-speculative-tokens", type=K, default=None,
+                    help="k written into the launch commands (1..64; default 3, a DFlash drafter's block - 1)")
     sp.add_argument("--tree", default=None, metavar="TOPK,STEPS,TOKENS",
                     help="launch an EAGLE-2 draft tree instead of a chain (SGLang's budget, as bench --tree)")
     sp.add_argument("--tree-paths", default=None, metavar="FILE",

@@ -123,7 +123,7 @@ class TrainConfig:
             raise UserError(f"training setting 'step_decay' must be in (0, 1], got {self.step_decay!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise UserError(f"training setting 'draft_vocab_size' must be positive, got {self.draft_vocab_size!r}")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3 and self.drafter != "dflash":
             raise UserError(f"training setting 'aux_layer_ids' needs exactly 3 ids, got {list(self.aux_layer_ids)}")
         if isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float)) \
                 or not self.time_budget_s >= 0:

@@ -205,6 +205,33 @@ def test_inspect_recognises_a_dflash_drafter_and_its_mismatches(tmp_path):
     write_dflash(random_drafter(make_tiny("llama")), tmp_path / "d", dtype="float32")
     report = inspect(target, tmp_path / "d")
     assert report.checks[1].name == "draft" and "DFlash block drafter" in report.checks[1].reason
-    assert report.engines["vllm"] and "servable by vLLM" in report.verdict
+    assert report.engines["vllm"] and not report.engines["sglang"] and "servable by vLLM" in report.verdict
     bad = inspect(small, tmp_path / "d")
     assert not bad.servable and "reach past the target's 2 layers" in bad.verdict
+
+
+def test_a_batch_with_nothing_to_learn_still_backpropagates(tiny_models):
+    """No counted position (a micro-batch whose learned tokens were all cut): the loss is 0 and still
+    a function of every weight, so backward (and DDP) works."""
+    from outrider.train.loop.dflash_loss import dflash_loss
+
+    model = tiny_models("llama")
+    drafter = random_drafter(model, block_size=4).train().requires_grad_(True)
+    ids = torch.randint(5, 90, (2, 10))
+    aux = torch.randn(2, 10, drafter.fc.in_features)
+    out = dflash_loss(drafter, model.get_input_embeddings(), aux, ids, torch.zeros_like(ids), torch.zeros(2, 10, 64),
+                      torch.ones_like(ids), [1.0, 0.8, 0.6], reduction="sum")
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and out.n_tokens == 0
+    assert all(p.grad is not None for p in drafter.parameters())
+
+
+def test_a_folder_without_its_own_lm_head_is_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_dflash(random_drafter(tiny_models("llama")), tmp_path / "d", dtype="float32")
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(UserError, match="no lm_head"):
+        read_dflash(tmp_path / "d")

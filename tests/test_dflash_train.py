@@ -91,3 +91,13 @@ def test_refusals(env, tmp_path, capsys):
     assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(run), "--resume",
                      "--drafter", "eagle3", "--quiet", "--device", "cpu"]) == 2
     assert "trains a dflash drafter" in capsys.readouterr().err
+
+
+def test_dflash_reads_any_number_of_aux_layers_and_refuses_an_init(env, capsys):
+    out = env["root"] / "four"
+    assert _train(env, out, "--aux-layers", "1,2,3,4", "--max-steps", "1") in (0, None), capsys.readouterr().err
+    drafter, cfg = load_head(out / "head", env["target"])
+    assert cfg.aux_layer_ids == (1, 2, 3, 4) and drafter.fc.in_features == 4 * cfg.target_hidden_size
+    assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(env["root"] / "init"),
+                     "--init", str(out / "head"), "--quiet", "--device", "cpu"]) == 2
+    assert "is a DFlash drafter" in capsys.readouterr().err

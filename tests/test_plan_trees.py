@@ -152,6 +152,16 @@ def test_plan_compares_eagle3_parallel_and_dflash(tmp_path):
     assert "dflash" in text
 
 
+def test_plan_keeps_dflash_within_its_block(tmp_path):
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "block_size": 4}))
+    records = [{"method": "dflash", "k": 3, "tau": 2.1, "accept_rate_per_pos": [0.65, 0.4, 0.25],
+                "draft": str(folder)}]
+    _, rows, _ = _plan(tmp_path, records, batches=[1], ks=[2, 3, 4, 5])
+    assert sorted(r["k"] for r in rows) == [2, 3]
+
+
 # ---- records ---------------------------------------------------------------------------------
 
 def test_tree_paths_and_budget_bound():

@@ -300,9 +300,8 @@ def inspect(target: str | Path, draft: str | Path | None = None) -> InspectRepor
 
     draft_path = Path(draft).expanduser()
     if (draft_path / "config.json").is_file() and is_dflash(read_config(draft_path)):
-        checks += _dflash_checks(draft_path, cfg, info, fp, types)
-        draft_info = read_dflash(draft_path).config.to_dict()
-        return _verdict(target, draft, checks, info, draft_info)
+        dflash, draft_info = _dflash_checks(draft_path, cfg, info, fp, types)
+        return _verdict(target, draft, checks + dflash, info, draft_info)
     spec = read_head_spec(draft_path)
     hcfg = spec.config
     if hcfg.draft_vocab_size > info.vocab_size:
@@ -379,13 +378,13 @@ def _verdict(target: str | Path, draft: str | Path, checks: list[Check], info: A
 
 
 def _dflash_checks(path: Path, target_cfg: dict[str, Any], info: ArchInfo, fp: dict[str, Any],
-                   types: tuple[str, ...]) -> list[Check]:
+                   types: tuple[str, ...]) -> tuple[list[Check], dict[str, Any]]:
     """A DFlash drafter against the target: its shape, the fit (``formats.dflash.dflash_issues``), the
-    tensors (read back in full), the engines' support and versions."""
+    tensors (read back in full), the engines' support and versions; and the drafter's config."""
     try:
         drafter = read_dflash(path)
     except UserError as e:
-        return [Check("draft", FAIL, f"DFlash drafter: {e}")]
+        return [Check("draft", FAIL, f"DFlash drafter: {e}")], read_config(path)
     c = drafter.config
     checks = [Check("draft", PASS, f"DFlash block drafter: hidden {c.hidden_size}, {c.num_hidden_layers} layers of "
                     f"{c.num_attention_heads} heads x {c.head_dim}, block {c.block_size} (k up to {c.max_draft}), "
@@ -398,5 +397,6 @@ def _dflash_checks(path: Path, target_cfg: dict[str, Any], info: ArchInfo, fp: d
         checks.append(Check("fit", PASS, f"reads the outputs of layers {c.target_layer_ids} of {info.num_layers} "
                             f"(outrider aux ids {list(c.aux_layer_ids)}); width and vocabulary the target's"))
     checks += [replace(ch, name="target aux-state support") for ch in _engine_support(types)]  # DFlash reads them too
-    checks.append(Check("SGLang device", WARN, "SGLang serves DFlash on CUDA (or NPU) devices only", engine="sglang"))
-    return checks + _engine_version_checks()
+    checks.append(Check("SGLang lm_head", FAIL, "SGLang's DFlash model drafts through the target's lm_head and "
+                        "ignores this drafter's own lm_head and d2t", engine="sglang"))
+    return checks + _engine_version_checks(), c.to_dict()

@@ -11,7 +11,8 @@ Contract:
   ``alpha`` for EAGLE-3 (and a draft model); without a bench file, n-gram is planned at a
   low assumed acceptance (``NGRAM_ALPHA``) and the assumption is printed. Parallel drafting
   (method ``parallel``: one draft forward over k positions) and DFlash (``dflash``: one forward of
-  ``dflash_layers`` layers over k + 1) are planned only from their records.
+  its layers over k + 1, k at most its block's size - 1, both read from the record's drafter folder)
+  are planned only from their records.
 - Tree records (method ``eagle3`` with ``topk``/``steps``/``draft_tokens`` or ``tree_paths``, and
   ``tau``; ``trees.budget_of``) give one row per measured budget (method ``eagle3-tree``, tokens
   per round = the measured tau, never extrapolated); a topk-1 record is the chain k = steps.
@@ -289,21 +290,22 @@ def _option(p: Prediction, sep: str = " with ") -> str:
     return f"{p.method}{sep}k={p.k}"
 
 
-def _dflash_layers(acceptance: str | None) -> int:
-    """The layers of the DFlash drafter a bench file's ``dflash`` record ran (its folder's config.json;
-    1 when it cannot be read)."""
+def _dflash_shape(acceptance: str | None) -> tuple[int, int]:
+    """(layers, block_size) of the DFlash drafter a bench file's ``dflash`` record ran (its folder's
+    config.json); (1, the record's k + 1) when it cannot be read, (1, 65) without a record."""
     if acceptance is None:
-        return 1
-    for r in read_records(acceptance):
+        return 1, 65
+    records = [r for r in read_records(acceptance) if r.method == "dflash"]
+    for r in records:
         folder = Path(str(r.get("draft") or "")).expanduser()
-        if r.method == "dflash" and (folder / "config.json").is_file():
-            try:
-                layers = json.loads((folder / "config.json").read_text()).get("num_hidden_layers")
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(layers, int) and layers >= 1:
-                return layers
-    return 1
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        layers, block = cfg.get("num_hidden_layers"), cfg.get("block_size")
+        if isinstance(layers, int) and layers >= 1 and isinstance(block, int) and block >= 2:
+            return layers, block
+    return 1, max([int(r.k or 1) + 1 for r in records] or [65])
 
 
 def _launch(p: Prediction) -> Prediction:
@@ -408,7 +410,7 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         raise UserError(f"--new-tokens must be an integer >= 1, got {new_tokens!r}")
 
     head = eagle3_head_shape(arch, draft_vocab)
-    dflash_layers = _dflash_layers(acceptance)
+    dflash_layers, dflash_block = _dflash_shape(acceptance)
     drafts: dict[str, DraftSpec] = {"eagle3": head, "ngram": DraftSpec("ngram"),
                                     "parallel": replace(head, method="parallel"),
                                     "dflash": dflash_shape(arch, dflash_layers, draft_vocab)}
@@ -483,6 +485,8 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
             if m not in accept:
                 continue
             for k in ks:
+                if m == "dflash" and k > dflash_block - 1:  # positions past the trained block: never trained
+                    continue
                 acc = _pick(accept[m], k)
                 pred = predict(shape, hw, drafts[m], acc, k, b, tp, context)
                 if batching == "lockstep":

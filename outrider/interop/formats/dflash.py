@@ -1,4 +1,4 @@
-"""DFlash drafters on disk: the layout vLLM's and SGLang's DFlash loaders read, written and read back.
+"""DFlash drafters on disk: the layout vLLM's DFlash loader reads (z-lab's), written and read back.
 
 Contract:
 - ``is_dflash(cfg)``: a config.json dict describes a DFlash drafter (an architecture naming DFlash,
@@ -9,10 +9,13 @@ Contract:
   one: the layer whose output is read; vLLM adds one back), ``mask_token_id``, ``causal: false``},
   ``layer_types`` all full attention, and the ``outrider`` section with our config), the tensors
   of ``heads.dflash`` under the same names (``d2t``/``t2d`` only for a reduced vocabulary; no
-  embedding: the engines share the target's) and ``LAUNCH.md``. The folder is read back before it
-  replaces ``out``: its logits on random inputs must equal the drafter's.
-- ``read_dflash(path, target_config)``: the drafter of such a folder (ours, or a z-lab/SpecForge
-  layout whose config carries the same fields), checked against the target when given: width,
+  embedding: the engines share the target's) and ``LAUNCH.md`` (vLLM's command; SGLang drafts
+  through the target's lm_head, not this one). The folder is read back, from its ``outrider``
+  section and again from the engine fields alone, before it replaces ``out``: both drafters'
+  logits on random inputs must equal the drafter's.
+- ``read_dflash(path, target_config)``: the drafter of such a folder (ours, or one whose config
+  carries the same engine fields and which ships its own ``lm_head``; a z-lab / SpecForge drafter
+  without one, drafting through the target's, is refused in one line), checked against the target when given: width,
   vocabulary, aux ids within its layers, the mask token inside the vocabulary. Any missing,
   unknown or misshapen tensor is a one-line ``UserError``.
 - ``dflash_issues(cfg, target_config)``: the same checks as a list of lines (``inspect``).
@@ -34,6 +37,7 @@ from outrider import __version__
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir
 from outrider.heads.dflash import DRAFTER, DFlashConfig, DFlashDrafter
+from outrider.heads.eagle3 import rope_from_config
 from outrider.models import arch_info
 from outrider.outputs import OWN_FILES
 from outrider.values import check_draft_map, check_finite
@@ -83,7 +87,7 @@ def _tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tens
 
 def launch_text(cfg: DFlashConfig, out: Path, target: str | None, num_speculative_tokens: int) -> str:
     """LAUNCH.md: each engine's command for this drafter."""
-    k = min(num_speculative_tokens, cfg.max_draft)
+    k = min(num_speculative_tokens, cfg.max_draft) if num_speculative_tokens else cfg.max_draft
     tgt = target or "TARGET"
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": k}
     return "\n".join([
@@ -92,11 +96,11 @@ def launch_text(cfg: DFlashConfig, out: Path, target: str | None, num_speculativ
         f"It reads the target's layer outputs {cfg.target_layer_ids} (outrider aux ids {list(cfg.aux_layer_ids)}) "
         f"and uses token {cfg.mask_token_id} as its mask.", "",
         "## vLLM", "", "```bash", f"vllm serve {tgt} \\", f"  --speculative-config '{json.dumps(spec)}'", "```", "",
-        f"`num_speculative_tokens` at most {cfg.max_draft}: positions past the trained block were never trained.", "",
-        "## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {tgt} \\",
-        f"  --speculative-algorithm DFLASH --speculative-draft-model-path {out} \\",
-        f"  --speculative-num-draft-tokens {cfg.block_size}", "```", "",
-        "SGLang runs DFlash on CUDA (or NPU) devices only.", ""])
+        f"`num_speculative_tokens` {cfg.max_draft} runs the block this drafter was trained on; fewer masks change "
+        f"the block its (non-causal) attention sees and usually accept less, more were never trained.", "",
+        "## SGLang", "",
+        "Not served: SGLang's DFlash model drafts through the target's lm_head and ignores a drafter's own "
+        "`lm_head` and `d2t`, which this drafter needs (its draft vocabulary is its own).", ""])
 
 
 def write_dflash(drafter: DFlashDrafter, out: str | Path, target: str | None = None, dtype: str = "bfloat16",
@@ -122,8 +126,13 @@ def write_dflash(drafter: DFlashDrafter, out: str | Path, target: str | None = N
     with atomic_dir(out, carry=OWN_FILES) as tmp:
         (tmp / "config.json").write_text(json.dumps(_config_json(cfg, torch_dtype, section), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "LAUNCH.md").write_text(launch_text(cfg, out, target, num_speculative_tokens or cfg.max_draft))
+        (tmp / "LAUNCH.md").write_text(launch_text(cfg, out, target, num_speculative_tokens))
         reloaded = read_dflash(tmp, target_config, dtype=torch_dtype)
+        engine_cfg = _config_from_json({k: v for k, v in json.loads((tmp / "config.json").read_text()).items()
+                                        if k != "outrider"}, tmp)
+        if engine_cfg != cfg:
+            raise UserError(f"the engine fields written for the DFlash drafter read back as another drafter: "
+                            f"nothing was written to {out}")
         diff = random_check(reference, reloaded)
         if not diff <= (1e-5 if torch_dtype == torch.float32 else 1e-2):
             raise UserError(f"the written DFlash drafter does not reproduce the drafter (max logit difference "
@@ -156,14 +165,14 @@ def _config_from_json(raw: dict[str, Any], path: Path) -> DFlashConfig:
     dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     try:
         ids = dflash.get("target_layer_ids") or raw["target_layer_ids"]
-        rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        rope_theta, rope_scaling = rope_from_config(raw)
         return DFlashConfig(
             hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=int(raw["num_attention_heads"]),
             num_key_value_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
             intermediate_size=int(raw["intermediate_size"]), rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 1e6),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
             vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
             target_hidden_size=int(raw.get("target_hidden_size") or raw["hidden_size"]),
@@ -216,6 +225,10 @@ def read_dflash(path: str | Path, target_config: Any = None, dtype: torch.dtype 
         state.update(load_file(str(f)))
     for name in ("embed_tokens.weight", "model.embed_tokens.weight"):
         state.pop(name, None)  # the target's, carried by some layouts: the engines share the target's own
+    if "lm_head.weight" not in state:
+        raise UserError(f"{path} has no lm_head: a drafter that drafts through the target's lm_head (the z-lab / "
+                        "SpecForge layout) is served by the engines but not run by outrider, whose drafters carry "
+                        "their own")
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}

@@ -90,7 +90,7 @@ class ExportReport:
         """A few lines for the terminal: what was written, how it was checked, where the flags are."""
         nested = "" if self.written_eagle_aux_layer_ids is None else \
             f", eagle_config {self.written_eagle_aux_layer_ids} (SGLang)"
-        read_as = "target_layer_ids, vLLM and SGLang" if self.drafter == "DFlash" else "vLLM"
+        read_as = "DFlash's target_layer_ids, vLLM" if self.drafter == "DFlash" else "vLLM"
         lines = [f"wrote a {self.format} {self.drafter} checkpoint to {self.out}: {self.num_tensors} tensors, "
                  f"{self.dtype}",
                  f"aux layer ids {self.aux_layer_ids}, written as {self.written_aux_layer_ids} ({read_as}){nested}",
@@ -265,7 +265,7 @@ def _options(cfg: Eagle3Config) -> dict[str, Any]:
 
 
 def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, target: str | None = None, *,
-           dtype: str = "bfloat16", num_speculative_tokens: int = 3, include_embeddings: bool = False,
+           dtype: str = "bfloat16", num_speculative_tokens: int | None = None, include_embeddings: bool = False,
            extra: dict[str, Any] | None = None, tree: TreeSpec | None = None) -> ExportReport:
     """Write a servable checkpoint of a head (in memory, or a checkpoint folder) in ``format``.
 
@@ -280,6 +280,7 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
     if isinstance(head_or_dir, DFlashDrafter) or (
             not isinstance(head_or_dir, Eagle3Head) and is_dflash(read_config(head_or_dir))):
         return _export_dflash(head_or_dir, format, out, target, dtype, num_speculative_tokens, extra, tree)
+    num_speculative_tokens = 3 if num_speculative_tokens is None else num_speculative_tokens
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -361,12 +362,12 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
 
 
 def _export_dflash(drafter_or_dir: DFlashDrafter | str | Path, format: str, out: str | Path, target: str | None,
-                   dtype: str, num_speculative_tokens: int, extra: dict[str, Any] | None,
+                   dtype: str, num_speculative_tokens: int | None, extra: dict[str, Any] | None,
                    tree: TreeSpec | None) -> ExportReport:
-    """A DFlash drafter in the engines' DFlash layout (``formats.dflash``: vLLM and SGLang read the same one)."""
+    """A DFlash drafter in vLLM's DFlash layout (``formats.dflash``), whichever engine format is named."""
     if format == "speculators":
-        raise UserError("the speculators DFlash layout is not written yet: use --format vllm (vLLM and SGLang both "
-                        "load the DFlash layout it writes)")
+        raise UserError("the speculators DFlash layout is not written yet: use --format vllm (vLLM loads the "
+                        "DFlash layout it writes)")
     if tree is not None:
         raise UserError("a DFlash drafter drafts chains (one block per round): drop --tree")
     _, target_cfg = _target_record(target)
@@ -377,9 +378,11 @@ def _export_dflash(drafter_or_dir: DFlashDrafter | str | Path, format: str, out:
         target = meta["target"].get("name")
     cfg = drafter.config
     written = write_dflash(drafter, out, target, dtype, {**meta, **(extra or {})}, num_speculative_tokens, target_cfg)
-    notes = [] if num_speculative_tokens <= cfg.max_draft else [
-        f"num_speculative_tokens {num_speculative_tokens} exceeds the block's {cfg.max_draft} drafts: LAUNCH.md "
-        f"asks for {cfg.max_draft}"]
+    k = num_speculative_tokens or cfg.max_draft
+    notes = [] if k == cfg.max_draft else [
+        f"num_speculative_tokens {k} {'exceeds' if k > cfg.max_draft else 'is below'} the trained block's "
+        f"{cfg.max_draft} drafts: LAUNCH.md asks for {min(k, cfg.max_draft)}" + (
+            "" if k > cfg.max_draft else " (a shorter block than trained: usually lower acceptance)")]
     return ExportReport(format=format, out=written["out"], files=written["files"], num_tensors=written["num_tensors"],
                         dtype=dtype, aux_layer_ids=list(cfg.aux_layer_ids), written_aux_layer_ids=cfg.target_layer_ids,
                         written_eagle_aux_layer_ids=None, max_abs_logit_diff=written["max_abs_logit_diff"],

@@ -126,9 +126,7 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
         h = drafter.block(embeds, pos, ctx, mask).view(B, c, m, -1)  # [B, c, m, H]
         for i in range(steps):
             sel = counted[i].gather(1, t) & valid[:, j: j + chunk]  # [B, c]
-            if not bool(sel.any()):
-                continue
-            rows, cols = sel.nonzero(as_tuple=True)
+            rows, cols = sel.nonzero(as_tuple=True)  # possibly none: the loss stays a function of every weight
             tt = t[rows, cols]
             logits = drafter.compute_logits(h[rows, cols, i + 1]).float()  # [n, draft_vocab]
             label = to_draft[input_ids[rows, tt + 2 + i]]  # [n]: x_{t+2+i} in draft ids, -1 outside

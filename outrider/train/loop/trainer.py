@@ -92,7 +92,7 @@ class _Trainer:
         self.last_dir, self.head_dir = self.out / "last", self.out / "head"
         self.progress, self.notes = o.progress and env.is_main, []
         self.resume_state = checkpoint.read_state(self.last_dir) if o.resume else None
-        self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids)
+        self._settings(o.preset, o.config, o.init, o.max_steps, o.aux_layer_ids, o.drafter)
         self._parallel(o.parallel_drafting, o.drafter, loaded_target)
         self._open_target(o, loaded_target)
         stream = o.stream.as_kwargs() if o.stream is not None else None
@@ -107,7 +107,7 @@ class _Trainer:
     # -- setup pieces ---------------------------------------------------------------------------
 
     def _settings(self, preset: str | None, config: TrainConfig | str | None, init: str | None,
-                  max_steps: int | None, aux_layer_ids: Sequence[int] | None) -> None:
+                  max_steps: int | None, aux_layer_ids: Sequence[int] | None, drafter: str | None) -> None:
         """The run's settings: the checkpoint's when resuming, else preset / config / flags."""
         env = self.env
         if self.resume_state is not None:
@@ -118,8 +118,9 @@ class _Trainer:
                 raise UserError(f"{self.out} already holds a training run: pass --resume to continue it, "
                                 "or choose a new --out")
             self.config, self.preset = resolve_config(preset, config, env.device.type)
-            if aux_layer_ids is not None:
-                self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids))
+            if aux_layer_ids is not None:  # with --drafter: a DFlash drafter reads any number of layers
+                self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids),
+                                                  drafter=drafter or self.config.drafter)
         cfg = self.config
         self.stop_at = cfg.steps if max_steps is None else int(max_steps)
         if not 1 <= self.stop_at <= cfg.steps:
@@ -184,6 +185,8 @@ class _Trainer:
         size = min(cfg.draft_vocab_size or 32000, vocab_size)
         if init is not None:
             init_head, _ = load_head(checkpoint.init_head_dir(init), target_config=target_cfg)
+            if isinstance(init_head, DFlashDrafter):
+                raise UserError(f"--init {init} is a DFlash drafter; --init fine-tunes an EAGLE-3 head")
             init_vocab = DraftVocab.from_mapping(init_head.d2t, init_head.t2d)
             size = init_vocab.draft_vocab_size
             if cfg.aux_layer_ids is not None and tuple(sorted(cfg.aux_layer_ids)) != init_head.config.aux_layer_ids:
@@ -202,7 +205,7 @@ class _Trainer:
         else:
             head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
                                                attention=cfg.head_attention, **cfg.head_options())
-        if len(set(head_cfg.aux_layer_ids)) != 3:
+        if cfg.drafter != "dflash" and len(set(head_cfg.aux_layer_ids)) != 3:
             raise UserError(f"aux layer ids {list(head_cfg.aux_layer_ids)} repeat a layer (the target has "
                             f"{arch_info(target_cfg).num_layers} layers), so no engine could serve the head: "
                             "pass three distinct ids with --aux-layers")
@@ -232,7 +235,8 @@ class _Trainer:
         cfg = self.config
         if cfg.drafter != "dflash":
             return counted_positions(batch.loss_mask, batch.attention_mask, cfg.ttt_steps)
-        seed = (cfg.seed * 1_000_003 + int(where["epoch"]) * 100_003 + int(where["batch"])) * 4096 + self.env.rank
+        seed = ((cfg.seed * 1_000_003 + int(where["epoch"]) * 100_003 + int(where["batch"])) * 4096
+                + self.env.rank) % 2**63
         return sample_anchors(batch.loss_mask, batch.attention_mask, cfg.draft_steps, cfg.num_anchors, seed)
 
     def _build_optimizer(self) -> None:
