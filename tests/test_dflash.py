@@ -168,7 +168,8 @@ def test_the_written_layout_reloads_equal(tiny_models, tmp_path, kind):
     raw.pop("outrider")  # an engine-only layout (z-lab / SpecForge) reads from the engine fields
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     assert read_dflash(tmp_path / "d").config == drafter.config
-    assert '"method": "dflash"' in (tmp_path / "d" / "LAUNCH.md").read_text()
+    launch = (tmp_path / "d" / "LAUNCH.md").read_text()
+    assert '"method": "dflash"' in launch and '"num_speculative_tokens": 5' in launch  # the trained block of 6
 
 
 def test_refusals_are_one_line(tiny_models, tmp_path):
