@@ -106,12 +106,16 @@ class DFlashProposer(Proposer):
         # aux: [batch, n, n_aux * H_t]; positions, valid: [batch, n]
         self.cache.write(self.drafter.context_kv(aux, positions), positions, valid)
 
-    def _forward(self, k: int) -> torch.Tensor:
-        """Draft logits [batch, k, draft_vocab] of the block [x_p, mask * k] at positions p .. p+k."""
+    def _check_k(self, k: int) -> None:
         cfg = self.drafter.config
         if not 1 <= k <= cfg.max_draft:
             raise UserError(f"this DFlash drafter drafts at most {cfg.max_draft} tokens per round (block_size "
                             f"{cfg.block_size}): use k in 1..{cfg.max_draft}")
+
+    def _forward(self, k: int) -> torch.Tensor:
+        """Draft logits [batch, k, draft_vocab] of the block [x_p, mask * k] at positions p .. p+k."""
+        cfg = self.drafter.config
+        self._check_k(k)
         last = self.cache.last
         tokens = torch.cat([last[:, None], last.new_full((last.shape[0], k), cfg.mask_token_id)], dim=1)  # [B, k+1]
         positions = self.cache.lengths[:, None] + torch.arange(k + 1, device=self.dev)  # [B, k+1]
@@ -128,7 +132,7 @@ class DFlashProposer(Proposer):
     def propose(self, k: int) -> Draft:
         if self.use_graphs:
             if k not in self._graphs:
-                self._forward(k)  # refuses a k past the block before anything is captured
+                self._check_k(k)  # a k past the block is refused before anything is captured
                 self._graphs[k] = capture_graph(lambda: self._greedy(k), self.dev, warmups=2)
             graph, tokens = self._graphs[k]
             graph.replay()
