@@ -37,6 +37,14 @@ VERSION = 1
 MAX_DEFAULT_SIZE = 32000
 
 
+
+def draft_lookup(draft_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Target id -> draft id ``[target_vocab]`` (``-1`` outside the draft vocabulary), on ``draft_ids``'
+    device; draft_ids: the target id of each draft id, ``[draft_vocab]``."""
+    lookup = torch.full((target_vocab,), -1, dtype=torch.long, device=draft_ids.device)
+    lookup[draft_ids] = torch.arange(draft_ids.numel(), device=draft_ids.device)
+    return lookup
+
 @dataclass(frozen=True, eq=False)
 class DraftVocab:
     """A draft vocabulary over a target vocabulary of ``t2d.numel()`` tokens."""
@@ -89,9 +97,7 @@ class DraftVocab:
 
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape) -> draft ids, ``-1`` where the token is not in the draft vocabulary."""
-        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        lookup[self.draft_ids.to(target_ids.device)] = torch.arange(self.draft_vocab_size, device=target_ids.device)
-        return lookup[target_ids]
+        return draft_lookup(self.draft_ids.to(target_ids.device), self.target_vocab_size)[target_ids]
 
     def fingerprint(self) -> str:
         """sha256 over the sizes and the mapping (not the counts)."""

@@ -32,6 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from outrider.heads.dflash import DFlashDrafter
+from outrider.train.data.vocab import draft_lookup
 from outrider.train.loop.ttt import TTTOutput, counted_positions, simulated_accept_len
 from outrider.train.states.capture import real_positions
 
@@ -98,9 +99,7 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
     anchors, valid, counted = _anchors(index, B, S, device)
     positions = real_positions(real)  # [B, S]
     ctx = drafter.context_kv(aux, positions)  # per layer [B, kv, S, d] x 2
-    to_draft = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=device)
-    to_draft[drafter.map_to_target(torch.arange(cfg.draft_vocab_size, device=device))] = torch.arange(
-        cfg.draft_vocab_size, device=device)
+    to_draft = draft_lookup(drafter.map_to_target(torch.arange(cfg.draft_vocab_size, device=device)), cfg.vocab_size)
     m = cfg.block_size
     offs = torch.arange(m, device=device)
     with torch.no_grad():
