@@ -5,11 +5,14 @@
 #
 #   bash benchmarks/drafters_compare.sh OUT_DIR [K]        (from the repository root; no network needed)
 #
-# The data is OUT_DIR/demo/data, made by `outrider demo --out OUT_DIR/demo` when missing (quick
-# preset on a CPU, full on CUDA). DFlash trains blocks of K + 1 (K drafts per forward, as the
-# others' K unrolled steps) with dflash_layers DFLASH_LAYERS (default 1). Default K: 3 on a CPU
-# (the quick preset's unroll), 5 on CUDA. Records: OUT_DIR/bench-METHOD-bB.json; the table:
-# OUT_DIR/table.md.
+# The data is OUT_DIR/demo/data, the demo's data stage alone (`outrider.demo.demo_data`: quick
+# preset on a CPU, full on CUDA) when missing. STEPS (default: the preset's) sets the optimizer
+# steps of all three. DFlash trains blocks of K + 1 (K drafts per forward, as the others' K
+# unrolled steps) with dflash_layers DFLASH_LAYERS (default 1). Default K: 3 on a CPU (the quick
+# preset's unroll), 5 on CUDA. TREES (e.g. "4,3,16 4,4,16") also benches the EAGLE-3 head's
+# EAGLE-2 trees at batch 1. PROMPTS and TOKENS: held-out prompts and new tokens each (32 x 128 on
+# CUDA, 16 x 48 on a CPU). The benches run in one process (benchmarks/drafters_bench.py).
+# Records: OUT_DIR/bench-METHOD-bB-kK.json (trees: -tree-T-S-N); the table: OUT_DIR/table.md.
 set -euo pipefail
 
 out=${1:?usage: bash benchmarks/drafters_compare.sh OUT_DIR [K]}
@@ -19,7 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 cuda=$(python -c 'import torch; print(int(torch.cuda.is_available()))')
 k=${2:-$([ "$cuda" = 1 ] && echo 5 || echo 3)}
 layers=${DFLASH_LAYERS:-1}
-if [ "$cuda" = 1 ]; then prompts=32; tokens=128; else prompts=16; tokens=48; fi
+if [ "$cuda" = 1 ]; then prompts=${PROMPTS:-32}; tokens=${TOKENS:-128}; else prompts=${PROMPTS:-16}; tokens=${TOKENS:-48}; fi
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
@@ -28,14 +31,16 @@ if [ "$cuda" = 1 ]; then prompts=32; tokens=128; else prompts=16; tokens=48; fi
   echo "k=$k dflash_layers=$layers prompts=$prompts max_new_tokens=$tokens"
 } > "$out/env.txt"
 
-[ -d "$out/demo/data" ] || python -m outrider demo --out "$out/demo"
-steps=$(python - "$k" "$layers" "$out" <<'EOF'
+[ -f "$out/demo/data/manifest.json" ] || python -c 'import sys; from outrider.demo import demo_data; demo_data(sys.argv[1])' "$out/demo"
+steps=$(python - "$k" "$layers" "$out" "${STEPS:-0}" <<'EOF'
 import json, sys
 from outrider.config import TrainConfig
 import torch
-k, layers, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+k, layers, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 base = TrainConfig.preset("full" if torch.cuda.is_available() else "quick")
-common = {"time_budget_s": 0, "ttt_steps": k, "tau_k": k}
+if steps:
+    base = base.replace(steps=steps, warmup_steps=min(base.warmup_steps, steps // 10))
+common = {"time_budget_s": 0, "ttt_steps": k, "tau_k": k, "steps": base.steps, "warmup_steps": base.warmup_steps}
 json.dump(common, open(f"{out}/eagle3.json", "w"))
 json.dump(common, open(f"{out}/parallel.json", "w"))
 json.dump({**common, "block_size": k + 1, "dflash_layers": layers}, open(f"{out}/dflash.json", "w"))
@@ -55,26 +60,28 @@ train eagle3
 train parallel --parallel-drafting
 train dflash --drafter dflash
 
+runs=()
 for b in 1 8; do
-  for m in eagle3 parallel dflash; do
-    python -m outrider bench default --method "$m" --draft "$out/$m/head" --k "$k" --batch-size "$b" \
-      --num-prompts "$prompts" --max-new-tokens "$tokens" --quiet --json "$out/bench-$m-b$b.json" \
-      2>&1 | tee "$out/bench-$m-b$b.log"
-  done
+  for m in eagle3 parallel dflash; do runs+=(--run "$m:$out/$m/head:k=$k:b=$b"); done
 done
+for t in ${TREES:-}; do runs+=(--run "eagle3:$out/eagle3/head:tree=$t"); done
+python benchmarks/drafters_bench.py --out "$out" --num-prompts "$prompts" --max-new-tokens "$tokens" "${runs[@]}" \
+  2>&1 | tee "$out/bench.log"
 
-python - "$out" <<'EOF' | tee "$out/table.md"
+python - "$out" "$k" <<'EOF' | tee "$out/table.md"
 import json, sys
 from pathlib import Path
 from outrider.records import read_records
 out = Path(sys.argv[1])
 print("| method | batch | k | tau | draft ms / round | verify ms | tokens/s | speedup vs AR | lossless |")
 print("|---|---|---|---|---|---|---|---|---|")
-for b in (1, 8):
-    for m in ("eagle3", "parallel", "dflash"):
-        (r,) = read_records(out / f"bench-{m}-b{b}.json")
-        print(f"| {m} | {b} | {r.k} | {r.tau:.2f} | {r['draft_step_ms']:.2f} | {r['verify_step_ms']:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['verdict']} |")
+files = [(m, b, out / f"bench-{m}-b{b}-k{sys.argv[2]}.json") for b in (1, 8) for m in ("eagle3", "parallel", "dflash")]
+files += [("eagle3 tree " + f.stem.split("tree-")[1].replace("-", ","), 1, f)
+          for f in sorted(out.glob("bench-eagle3-b1-tree-*.json"))]
+for m, b, f in files:
+    (r,) = read_records(f)
+    print(f"| {m} | {b} | {r.k} | {r.tau:.2f} | {r['draft_step_ms']:.2f} | {r['verify_step_ms']:.2f} | "
+          f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['verdict']} |")
 for m in ("eagle3", "parallel", "dflash"):
     evals = [json.loads(l) for l in (out / m / "metrics.jsonl").read_text().splitlines()]
     last = [e for e in evals if e.get("type") == "eval"][-1]

@@ -79,6 +79,46 @@ def test_dflash_graphs_equal_transformers(tiny_kind, cuda_models, compile):
     assert proposer._pool and all(graphs for _, graphs in proposer._pool.values())
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_parallel_graphs_equal_transformers(tiny_kind, cuda_models, compile):
+    """P-EAGLE's one forward and its draws replayed as a graph per (batch, width, k) (``propose``,
+    no engine rounds), then inside the engine's round graph: greedy tokens equal plain generate's."""
+    from tiny import random_head
+
+    from outrider.decode.proposers.parallel import ParallelProposer
+
+    model, refs = cuda_models(tiny_kind)
+    head = random_head(model, 64, 0, parallel_drafting=True, mask_token_id=3).cuda()
+    proposer = ParallelProposer(head, model)
+    for rounds in (0, None):
+        engine = SpecEngine(model, proposer, k=3, graphs=True, compile=compile,
+                            **({"rounds": rounds} if rounds is not None else {}))
+        for _ in range(2):
+            got = engine.generate(_prompts()[:1], MAX_NEW).tokens + engine.generate(_prompts()[1:], MAX_NEW).tokens
+            assert got == refs
+    assert any(key[2] == 3 and not key[3] for key in proposer._graphs)  # a round's graph was captured
+
+
+@pytest.mark.parametrize("tree", [(4, 2, 8), (2, 3, 6), "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"])
+def test_tree_graphs_equal_transformers(tiny_kind, cuda_models, tree):
+    """A tree round's pending step and drafting levels replayed as one graph per (batch, width) and its
+    verification as the engine's graph per shape: greedy tokens equal plain generate's with the graphs
+    and without, at batch 1 and 2, dynamic (EAGLE-2) and static trees, a second pass replaying them."""
+    from outrider.trees import TreeBudget, static_tree
+
+    model, refs = cuda_models(tiny_kind)
+    spec = static_tree(tree) if isinstance(tree, str) else TreeBudget(*tree)
+    head = _head(model).cuda()
+    proposer = Eagle3Proposer(head, model, tree=spec)
+    for graphs in (True, False):
+        engine = SpecEngine(model, proposer, graphs=graphs)
+        for _ in range(2):
+            got = engine.generate(_prompts()[:1], MAX_NEW).tokens + engine.generate(_prompts()[1:], MAX_NEW).tokens
+            assert got == refs
+        if graphs:
+            assert any(not key[3] for key in proposer._graphs)  # a round's graph was captured and replayed
+
+
 def test_prompt_forward_graph_equals_the_eager_one(tiny_kind, cuda_models):
     """A prompt's forward replayed as a CUDA graph (dense targets; a mixture of experts keeps the
     eager forward) gives the eager forward's logits and aux states, and the step after it the

@@ -4,7 +4,10 @@
 # call replaces the working tree it ran in). Parts, in order of value: demo (`outrider demo` from a bare start,
 # ~20 min), trees (chains against EAGLE-2 trees on the demo's head), bench (the demo's head at k = 5 as typed and with --no-compile), batches (planner vs
 # engine at batch 1/4/16/64), cache (cache_bench), mla (mla_check), stream (stream_bench), shape
-# (shape_change). Each part writes its results into $RES and a `PART.done` marker before the next
+# (shape_change); not in the default chain: gputests (tests/test_gpu.py's graph tests), compare
+# (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
+# treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
+# EAGLE-3 head: eval-split against held-out prompts). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
 #   gpu_run.sh wait S             wait up to S seconds (a device call lasts 10 minutes at most and an
@@ -13,6 +16,7 @@
 set -u
 RES=/tmp/res
 DEMO=/tmp/demo
+CMP=/tmp/cmp
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ALL="demo trees bench batches cache mla stream shape"
 
@@ -69,6 +73,28 @@ part_stream() {
   stage stream python3 benchmarks/stream_bench.py --out /tmp/sb/ckpt --gpu-memory 60 --tokens-per-pass 131072 \
       --passes 1 --layers 2 --json $RES/stream_bench.json
   rm -rf /tmp/sb
+}
+part_gputests() {  # the CUDA fast path against plain generate (graphs of chains, P-EAGLE, DFlash, trees)
+  stage gputests python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -k "graphs_equal or prompt"
+}
+part_compare() {  # EAGLE-3, P-EAGLE, DFlash at CMP_STEPS optimizer steps each on the demo's data; EAGLE-2 trees
+  STEPS=${CMP_STEPS:-800} TREES="4,3,16 4,4,16" stage compare bash benchmarks/drafters_compare.sh $CMP 5
+  cp $CMP/table.md $CMP/env.txt $CMP/bench-*.json $CMP/bench.log $RES/ 2>/dev/null
+  for m in eagle3 parallel dflash; do xz -c $CMP/$m/metrics.jsonl > $RES/train-$m-metrics.jsonl.xz 2>/dev/null; done
+  cp $CMP/train-*.log $RES/ 2>/dev/null
+  cp $CMP/demo/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
+}
+part_treeplan() {  # the planner's tree prices from the chain's measured costs, against the measured trees
+  for t in 4-3-16 4-4-16; do
+    stage plan-$t outrider plan default --hardware h100 --calibrate $CMP/bench-eagle3-b1-k5.json \
+        --acceptance $CMP/bench-eagle3-b1-tree-$t.json --json $RES/plan-tree-$t.json
+  done
+}
+part_walk() {  # the trainer's walked tau against the engine's tau: eval-split prompts and held-out prompts
+  stage walk-eval python3 benchmarks/walk_check.py --head $CMP/eagle3/head --data $CMP/demo/data --examples 30 \
+      --k 5 --device cuda --out $RES/walk-eval.json
+  stage walk-heldout python3 benchmarks/walk_check.py --head $CMP/eagle3/head --prompts sharegpt --examples 30 \
+      --k 5 --device cuda --out $RES/walk-heldout.json
 }
 part_shape() {
   stage shape python3 benchmarks/shape_change.py --json $RES/shape_change.json

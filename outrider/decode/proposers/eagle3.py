@@ -21,9 +21,11 @@ engine compiles its step, ``torch.compile`` fuses the pending step (the alignmen
 verified pairs, then positions, slots, mask and the head's layer) and each greedy link of the
 chain (a draw and the step that feeds it back) first.
 
-With ``tree`` set, each round drafts a tree instead (``tree_draft``: EAGLE-2 or a static tree).
+With ``tree`` set, each round drafts a tree instead (``tree_draft``: EAGLE-2 or a static tree):
+the pending step and every drafting level replay as one CUDA graph per (batch, width) when graphs
+are on (the tree's shapes are static; its nodes are top-k, so sampled runs replay it too).
 
-Not done here: graphs for sampled drafting or for trees.
+Not done here: graphs for sampled chains.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Eagle3Proposer(Proposer):
         super().start(ctx)
         B = len(ctx.histories)
         self.dev = ctx.device
-        self.use_graphs = ctx.graphs and self.dev.type == "cuda" and ctx.sampling.greedy and self.tree is None
+        self.use_graphs = ctx.graphs and self.dev.type == "cuda" and (ctx.sampling.greedy or self.tree is not None)
         old = self._pool.get(B) if self.use_graphs else None
         if old is not None and old[0].max_len >= ctx.max_len:
             self.cache, self._graphs = old  # reused with its graphs: stale entries sit past the lengths, masked
@@ -192,55 +194,64 @@ class Eagle3Proposer(Proposer):
                 h = self._step(tok[:, None], h, ones, i + 1)
         return torch.stack(tokens, dim=1), None if qs[0] is None else torch.stack(qs, dim=1)
 
-    def _replay(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool) -> torch.Tensor:
-        """``_chain`` as a CUDA graph captured once per (batch, width, k, prompt); greedy only."""
+    def _round(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A round's drafting: the chain's (tokens [batch, k], q or None), or with a tree its (tokens
+        [batch, N], parents) (``_tree``)."""
+        return self._chain(aux, nxt, valid, k, prompt) if self.tree is None else self._tree(aux, nxt, valid, prompt)
+
+    def _tree(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, prompt: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending step, then a tree of ``self.tree``'s shape from its hidden_out: (tokens [batch,
+        N], parents [batch, N] for a dynamic tree, the static tree's [N] on the host)."""
+        h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
+        return TreeDrafter(self.head, self.embedding, self.cache, self.tree).draft(h, self.cache.lengths - 1)
+
+    def _replay(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool) -> tuple:
+        """``_round`` as a CUDA graph captured once per (batch, width, k, prompt): its outputs (static
+        buffers, rewritten by the next replay)."""
         key = (nxt.shape[0], nxt.shape[1], k, prompt)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(aux, nxt, valid, k, prompt)
             self._graphs[key] = entry
-        graph, s_aux, s_nxt, s_valid, s_tokens = entry
+        graph, s_aux, s_nxt, s_valid, out = entry
         s_aux.copy_(aux)
         s_nxt.copy_(nxt)
         s_valid.copy_(valid)
         graph.replay()
-        return s_tokens
+        return out
 
     def _capture(self, aux, nxt, valid, k, prompt):
         s_aux, s_nxt, s_valid = aux.clone(), nxt.clone(), valid.clone()
         saved = self.cache.lengths.clone()
         # warm-up writes land past the committed entries and the lengths are restored after each run
-        graph, (s_tokens, _) = capture_graph(lambda: self._chain(s_aux, s_nxt, s_valid, k, prompt), self.dev,
-                                             warmups=2, after_each=lambda: self.cache.lengths.copy_(saved))
+        graph, out = capture_graph(lambda: self._round(s_aux, s_nxt, s_valid, k, prompt), self.dev,
+                                   warmups=2, after_each=lambda: self.cache.lengths.copy_(saved))
         self.cache.lengths.copy_(saved)  # capture recorded the kernels without running them
-        return graph, s_aux, s_nxt, s_valid, s_tokens
+        return graph, s_aux, s_nxt, s_valid, out
 
     @torch.no_grad()
     def propose(self, k: int) -> Draft:
-        if self.tree is not None:
-            return self.propose_tree()
         aux, nxt, valid = self.pending
         B = nxt.shape[0]
         self._offset(max(k - 2, 0))  # the chain's offsets exist before any graph is captured
         prompt, self._prompt_pending = self._prompt_pending, False
-        # after the first step every pending block is k+1 wide; a prompt's is padded (``start``)
-        if self.use_graphs and (self._prompt_graph if prompt else nxt.shape[1] == k + 1):
-            tokens, q = self._replay(aux, nxt, valid, k, prompt), None
+        # after the first step every pending block is one wider than the deepest draft; a prompt's is padded (``start``)
+        if self.use_graphs and (self._prompt_graph if prompt else nxt.shape[1] == self.round_shape(k)[1] + 1):
+            out = self._replay(aux, nxt, valid, k, prompt)
+            out = out if self.tree is not None else (out[0], None)
         else:
-            tokens, q = self._chain(aux, nxt, valid, k, prompt)
-        return Draft.chain(tokens, torch.full((B,), k, device=self.dev), q)
+            out = self._round(aux, nxt, valid, k, prompt)
+        if self.tree is not None:
+            return self._tree_draft(*out)
+        return Draft.chain(out[0], torch.full((B,), k, device=self.dev), out[1])
 
-    @torch.no_grad()
-    def propose_tree(self) -> Draft:
-        """The pending step, then a tree of ``self.tree``'s shape from its hidden_out (``tree_draft``):
-        top-k nodes, verified as point masses."""
-        aux, nxt, valid = self.pending
-        prompt, self._prompt_pending = self._prompt_pending, False
-        h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
-        drafter = TreeDrafter(self.head, self.embedding, self.cache, self.tree)
-        tokens, parents = drafter.draft(h, self.cache.lengths - 1)  # [batch, N], [N] or [batch, N]
+    def _tree_draft(self, tokens: torch.Tensor, parents: torch.Tensor) -> Draft:
+        """A drafted tree (tokens [batch, N]; parents [batch, N] or a static tree's [N]) as the round's
+        ``Draft``: top-k nodes, verified as point masses."""
         nodes, steps = self.tree.nodes, self.tree.steps
-        num = torch.full((nxt.shape[0],), nodes, device=self.dev)
+        num = torch.full((tokens.shape[0],), nodes, device=self.dev)
         if isinstance(self.tree, StaticTree):  # one shape for every row: its ancestry computed once per request
             if self._static_shape is None or self._static_shape.tokens.device != self.dev:
                 self._static_shape = Draft(tokens, parents, num, depth=steps, width=self.tree.topk)

@@ -12,8 +12,12 @@ next round's real pairs overwrite them. The outputs at the last real position an
 placeholders give d_1 .. d_k: greedy through ``d2t``, or each sampled from its own softmax with
 ``q`` returned (independent draws; the engine's verification keeps decoding lossless).
 
-Not done here: CUDA graphs and ``torch.compile`` of the forward (it runs eager; the engine's
-own step may still be compiled), trees.
+On CUDA with ``graphs=True`` and greedy drafting, ``propose`` replays the forward and its draws
+as one CUDA graph per (batch, width, k), as the EAGLE-3 chain does (``Eagle3Proposer._replay``: the
+same cache pool, prompt padding and keys); in device rounds the engine captures ``propose_device``
+within its own round graph.
+
+Not done here: ``torch.compile`` of the forward (the engine's own step may still be compiled), trees.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from typing import Callable
 
 import torch
 
-from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
 from outrider.decode.proposers.head_cache import head_step
@@ -39,8 +42,8 @@ class ParallelProposer(Eagle3Proposer):
         super().__init__(head, target)
 
     def start(self, ctx: StartContext) -> None:
-        # the chain's graphs and compiled steps do not apply to the one-forward draft: eager here
-        super().start(dataclasses.replace(ctx, graphs=False, compile=None))
+        # the chain's compiled links do not apply to the one-forward draft; its graphs do (``_chain``)
+        super().start(dataclasses.replace(ctx, compile=None))
         self.ctx = ctx
 
     def _forward(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -66,18 +69,11 @@ class ParallelProposer(Eagle3Proposer):
         return block_draws(self.head.compute_logits(h), self.head.map_to_target, self.ctx.sampling, self.rand,
                            self.vocab)
 
-    @torch.no_grad()
-    def propose(self, k: int) -> Draft:
-        self._prompt_pending = False
-        tokens, q = self._draws(self._forward(*self.pending, k))
-        return Draft.chain(tokens, torch.full((tokens.shape[0],), k, device=self.dev), q)
-
-    @torch.no_grad()
-    def propose_device(self, k: int) -> torch.Tensor:
-        """Greedy draft tokens [batch, k] as plain device operations."""
-        self._prompt_pending = False
-        return self._draws(self._forward(*self.pending, k))[0]
-
+    def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one forward over the pending block and k - 1 placeholders, then the k draws: (tokens
+        [batch, k], q [batch, k, vocab] or None); what ``Eagle3Proposer.propose`` runs or replays."""
+        return self._draws(self._forward(aux, nxt, valid, k))
 
 def block_draws(logits: torch.Tensor, to_target: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
                 rand: RowRandom, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
