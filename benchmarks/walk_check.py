@@ -13,7 +13,8 @@ from the per-position agreements, the trainer's eval figure) and ``sim`` (``simu
 Unless ``--no-engine``, the head also drafts chains of each k on the prompt through the engine
 (``tau``, and the acceptance rate of the first draft; ``--read-len max``: over the static slot cache,
 so that greedy chains run as device rounds, the GPU's path, on the CPU too). In float32 every draft of the engine's chain
-is the unroll's prediction (``tests/test_eagle3_proposer.py``), so ``walked`` equals the engine's tau
+is the unroll's prediction (``tests/test_eagle3_proposer.py``; in bf16 a near-tie may let the speculative text
+part from the plain one: counted, ``texts_parted``), so ``walked`` equals the engine's tau
 up to each text's last round (the walk stops at the text's end) and to the draft vocabulary (the
 trainer scores agreement with the target's argmax over the draft vocabulary only); ``--no-engine``
 then gives the engine's figure for several k at the cost of one greedy pass per prompt. Also the
@@ -100,6 +101,7 @@ def run(a: argparse.Namespace) -> int:
     specs = {} if a.no_engine else {k: SpecEngine(model, proposer, k=k, eos_ids=eos, read_len=a.read_len) for k in ks}
     totals = {k: {"engine": [0, 0], "walked": [0, 0], "first": [0, 0], "walk_first": 0, "sim": 0.0} for k in ks}
     step0, repeat, rows = [0, 0], [0, 0], []
+    differ = dict.fromkeys(ks, 0)  # texts whose speculative output left the plain one (bf16 only)
     for prompt, label in prompts_of(a, tok):
         text = ar.generate([prompt], a.max_new).tokens[0]
         seq = torch.tensor([prompt + text], device=model.device)  # [1, P + T]
@@ -126,7 +128,9 @@ def run(a: argparse.Namespace) -> int:
             got = {"walked_tau": w_tok / max(w_rounds, 1), "sim_tau": sim}
             if specs:
                 r = specs[k].generate([prompt], a.max_new)
-                assert r.tokens[0] == text, "speculative output differs from greedy output"
+                if r.tokens[0] != text:  # float32: a bug; bf16: a near-tie let the speculative text part ways
+                    assert dtype != "float32", "speculative output differs from greedy output"
+                    differ[k] += 1
                 t["engine"][0] += sum(r.accepted) + r.row_steps
                 t["engine"][1] += r.row_steps
                 t["first"][0] += r.accepted[0]
@@ -146,7 +150,7 @@ def run(a: argparse.Namespace) -> int:
              "step0_acc_at_round_starts": t["walk_first"] / max(t["walked"][1], 1)}
         if specs:
             s.update(engine_tau=t["engine"][0] / max(t["engine"][1], 1),
-                     engine_first_rate=t["first"][0] / max(t["first"][1], 1))
+                     engine_first_rate=t["first"][0] / max(t["first"][1], 1), texts_parted=differ[k])
         by_k[str(k)] = s
     summary = {"ks": ks, "examples": len(rows), "source": a.prompts or a.data, "device": a.device, "dtype": dtype,
                "read_len": a.read_len,
@@ -161,6 +165,9 @@ def run(a: argparse.Namespace) -> int:
               f"{s['sim_tau_mean']:.3f} | {first} | {s['step0_acc_at_round_starts']:.3f} |")
     print(f"step-0 accuracy over every position {summary['step0_acc_all_positions']:.3f}; "
           f"repeated 4-grams {summary['repeated_4grams']:.2f}")
+    if any(differ.values()):
+        print("texts whose speculative output parted from the plain greedy one at a bf16 near-tie (their engine tau "
+              "is over the speculative text): " + ", ".join(f"k={k} {n}" for k, n in differ.items()))
     if a.out:
         atomic_write_json(a.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))

@@ -39,6 +39,7 @@ from outrider.decode.proposers.head_cache import HeadCache, head_step
 from outrider.decode.proposers.tree_draft import TreeDrafter, tree_slots
 from outrider.decode.runner import PROMPT_BUCKET
 from outrider.decode.sampling import RowRandom, probs, sample
+from outrider.ops.tree import ancestors
 from outrider.trees import StaticTree, TreeSpec
 
 # With graphs a prompt's pending block is padded on the left to a multiple of PROMPT_BUCKET, like the target's
@@ -201,11 +202,17 @@ class Eagle3Proposer(Proposer):
         return self._chain(aux, nxt, valid, k, prompt) if self.tree is None else self._tree(aux, nxt, valid, prompt)
 
     def _tree(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, prompt: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The pending step, then a tree of ``self.tree``'s shape from its hidden_out: (tokens [batch,
-        N], parents [batch, N] for a dynamic tree, the static tree's [N] on the host)."""
+        N], parents, ancestors [batch, N, N], depths [batch, N]) for a dynamic tree, whose ancestry is
+        built here (within the round's graph); (tokens, the static tree's parents [N] on the host, None,
+        None) for a static one (its ancestry is built once per request: ``_tree_draft``)."""
         h = self._step(nxt, aux, valid, 0, eager=prompt)  # [batch, 1, H] at the last committed pair
-        return TreeDrafter(self.head, self.embedding, self.cache, self.tree).draft(h, self.cache.lengths - 1)
+        tokens, parents = TreeDrafter(self.head, self.embedding, self.cache, self.tree).draft(h, self.cache.lengths - 1)
+        if isinstance(self.tree, StaticTree):
+            return tokens, parents, None, None
+        anc = ancestors(parents, self.tree.steps)  # [batch, N, N]
+        return tokens, parents, anc, anc.sum(-1)
 
     def _replay(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool) -> tuple:
         """``_round`` as a CUDA graph captured once per (batch, width, k, prompt): its outputs (static
@@ -247,9 +254,10 @@ class Eagle3Proposer(Proposer):
             return self._tree_draft(*out)
         return Draft.chain(out[0], torch.full((B,), k, device=self.dev), out[1])
 
-    def _tree_draft(self, tokens: torch.Tensor, parents: torch.Tensor) -> Draft:
-        """A drafted tree (tokens [batch, N]; parents [batch, N] or a static tree's [N]) as the round's
-        ``Draft``: top-k nodes, verified as point masses."""
+    def _tree_draft(self, tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor | None,
+                    depths: torch.Tensor | None) -> Draft:
+        """A drafted tree (``_tree``'s outputs) as the round's ``Draft``: top-k nodes, verified as
+        point masses."""
         nodes, steps = self.tree.nodes, self.tree.steps
         num = torch.full((tokens.shape[0],), nodes, device=self.dev)
         if isinstance(self.tree, StaticTree):  # one shape for every row: its ancestry computed once per request
@@ -258,7 +266,7 @@ class Eagle3Proposer(Proposer):
             shape = self._static_shape
             return Draft(tokens, shape.parents, num, depth=steps, width=shape.width, ancestors=shape.ancestors,
                          depths=shape.depths)
-        return Draft(tokens, parents, num, None, depth=steps, width=self.tree.topk)
+        return Draft(tokens, parents, num, None, depth=steps, width=self.tree.topk, ancestors=anc, depths=depths)
 
     def propose_device(self, k: int) -> torch.Tensor:
         """The greedy chain as plain device operations: draft tokens [batch, k] (no graph of its own)."""
