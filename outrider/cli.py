@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="EAGLE-3 draft vocabulary size")
     sp.add_argument("--routing-histogram", default=None, help="JSON list of tokens per expert (measured routing)")
     sp.add_argument("--weight-dtype", default=None, help="bf16 | fp8 | int4")
-    sp.add_argument("--calibrate", default=None, help="bench JSON with measured step times")
+    sp.add_argument("--calibrate", default=None, help="bench JSON(s), comma-separated, with measured step times")
     sp.add_argument("--measured", default=None, metavar="F",
                     help="JSON of what you measured: decode tok/s by batch, collective share and count, "
                          "acceptance (our bench, vLLM's or SGLang's metrics); fits the profile")

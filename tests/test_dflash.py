@@ -236,3 +236,82 @@ def test_a_folder_without_its_own_lm_head_is_refused(tiny_models, tmp_path):
     save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(UserError, match="no lm_head"):
         read_dflash(tmp_path / "d")
+
+
+def _speculators_dflash():
+    try:
+        from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    except ImportError as e:
+        pytest.skip(f"speculators is not installed ({e}); CI installs it with pip install --no-deps speculators")
+    return DFlashDraftModel, DFlashSpeculatorConfig
+
+
+def test_speculators_class_runs_our_dflash_export_as_we_do(tiny_dir, tmp_path):
+    """``export --format speculators``: speculators' own ``DFlashDraftModel`` loads the folder (no
+    unexpected or missing tensors, the embedding from the verifier it names, nothing NaN) and its
+    layers give our drafter's logits on one context and block; vLLM would serve it non-causally."""
+    from transformers import AutoModelForCausalLM
+
+    from outrider.interop.formats.export import export
+
+    DFlashDraftModel, DFlashSpeculatorConfig = _speculators_dflash()
+    target_dir = tiny_dir("llama")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = random_drafter(target, seed=4)
+    path = tmp_path / "spec"
+    export(drafter, "speculators", path, target=str(target_dir), dtype="float32")
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dflash" and raw["aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())
+    assert raw["sliding_window_non_causal"] is True  # vLLM 0.32 reads false as causal: every layer
+    config = DFlashSpeculatorConfig.from_pretrained(path)
+    config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, is for GPUs
+    peer = DFlashDraftModel.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    from safetensors.torch import load_file
+
+    ours, theirs = set(load_file(path / "model.safetensors")), set(peer.state_dict())
+    assert ours - theirs == set()
+    assert theirs - ours - set(peer._keys_to_ignore_on_load_missing) == set()
+    assert not [k for k, v in peer.state_dict().items() if v.is_floating_point() and v.isnan().any()]
+    assert torch.equal(peer.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(peer.d2t, drafter.d2t) and torch.equal(peer.t2d, drafter.t2d)
+    g = torch.Generator().manual_seed(0)
+    S, B = 7, drafter.config.block_size
+    aux = torch.randn(1, S, drafter.fc.in_features, generator=g)
+    ids = torch.randint(4, 90, (1, B), generator=g)
+    embeds = peer.embed_tokens(ids)
+    with torch.no_grad():
+        context = peer.hidden_norm(peer.fc(aux))  # [1, S, H]
+        positions = torch.arange(S + B)[None]
+        rope = peer.rotary_emb(context, positions)
+        h = embeds
+        for layer in peer.layers:
+            h = layer(hidden_states=h, target_hidden=context, attention_mask=None, position_ids=positions,
+                      position_embeddings=rope)
+        theirs_logits = peer.lm_head(peer.norm(h))
+        mask = torch.ones(1, 1, B, S + B, dtype=torch.bool)
+        ours_logits = drafter.compute_logits(drafter.block(embeds, positions[:, S:],
+                                                           drafter.context_kv(aux, positions[:, :S]), mask))
+    torch.testing.assert_close(theirs_logits, ours_logits, rtol=0, atol=1e-5)
+    reloaded = read_dflash(path, target.config)  # ours reads it back, from its engine fields too
+    assert reloaded.config == drafter.config and random_check(drafter, reloaded) == 0.0
+    raw.pop("outrider")
+    (path / "config.json").write_text(json.dumps(raw))
+    assert read_dflash(path, target.config).config == drafter.config
+
+
+def test_speculators_dflash_refusals_are_one_line(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from outrider.interop.formats.export import export
+
+    target_dir = tiny_dir("llama")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    full = random_drafter(target, draft_vocab=target.config.vocab_size)
+    with pytest.raises(UserError, match="full-vocabulary") as e:
+        export(full, "speculators", tmp_path / "full", target=str(target_dir), dtype="float32")
+    assert "\n" not in str(e.value) and not (tmp_path / "full").exists()
+    with pytest.raises(UserError, match="pass --target"):
+        export(random_drafter(target), "speculators", tmp_path / "none", dtype="float32")
+    with pytest.raises(UserError, match="unknown DFlash layout"):
+        write_dflash(random_drafter(target), tmp_path / "x", layout="sglang")

@@ -142,20 +142,22 @@ def test_mla_head_served_on_a_deepseek_v3_target(vllm, kept, targets, heads, dty
     assert_served_as_here(record, len(permuted.PROMPTS))
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
-def test_dflash_drafter_served(vllm, kept, targets, kind, tmp_path):
-    """A DFlash drafter in the layout we write, served with LAUNCH.md's ``"method": "dflash"``."""
+@pytest.mark.parametrize("kind, fmt", [("llama", "vllm"), ("deepseek_v3", "vllm"), ("llama", "speculators")])
+def test_dflash_drafter_served(vllm, kept, targets, kind, fmt, tmp_path):
+    """A DFlash drafter in each layout we write (z-lab's for ``vllm``, speculators'), served with
+    LAUNCH.md's ``"method": "dflash"``."""
     from outrider.interop.formats.dflash import write_dflash
 
     ours, folder = tmp_path / "ours", tmp_path / "dflash"
     drafter = permuted.build_dflash(targets[kind])
     write_dflash(drafter, ours, str(targets[kind]), dtype="float32")
-    export(str(ours), "vllm", folder, target=str(targets[kind]), dtype="float32", num_speculative_tokens=3)
+    export(str(ours), fmt, folder, target=str(targets[kind]), dtype="float32", num_speculative_tokens=3)
     argv = launch_argv(folder)
     assert engine_env.speculative_config(argv) == {"method": "dflash", "model": str(folder),
                                                    "num_speculative_tokens": 3}
-    record = serve_and_bench(vllm, kept, f"dflash-{kind}-float32", argv, targets[kind], _prompts(tmp_path),
-                             "float32", draft=ours, method="dflash")
+    name = f"dflash-{kind}-float32" if fmt == "vllm" else f"dflash-{fmt}-{kind}-float32"
+    record = serve_and_bench(vllm, kept, name, argv, targets[kind], _prompts(tmp_path), "float32", draft=ours,
+                             method="dflash")
     assert_served_as_here(record, len(permuted.PROMPTS))
 
 

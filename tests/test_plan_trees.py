@@ -89,6 +89,43 @@ def test_topk1_tree_is_the_chain_exactly(smol, k, batch):
     assert tree_round_cost(measured, hw, 1, TreeBudget(1, k, k + 1), batch, 2048).total_s == 1e-3
 
 
+def test_a_measured_tree_prices_the_levels_of_another_of_its_topk(smol):
+    """A measured round of (4, 3, 16) prices (4, 4, 16): the first step as before, then each later
+    level at the measured round's cost per level; another topk, or none measured, keeps the model."""
+    hw, ctx = load_profile("h100"), 2048
+    head = replace(eagle3_head_shape(SMOLLM2_135M), measured_round_s={1: 0.2e-3, 5: 0.5e-3})
+    first = tree_round_cost(head, hw, 1, TreeBudget(1, 1, 2), 1, ctx).total_s
+    assert first == pytest.approx(0.2e-3)
+    measured = replace(head, measured_tree_round_s={(4, 3, 16): 1.0e-3})
+    level = (1.0e-3 - first) / 2
+    assert tree_round_cost(measured, hw, 1, TreeBudget(4, 4, 16), 1, ctx).total_s == pytest.approx(first + 3 * level)
+    assert tree_round_cost(measured, hw, 1, TreeBudget(4, 3, 16), 1, ctx).total_s == pytest.approx(1.0e-3)
+    modelled = tree_round_cost(head, hw, 1, TreeBudget(2, 4, 10), 1, ctx).total_s
+    assert tree_round_cost(measured, hw, 1, TreeBudget(2, 4, 10), 1, ctx).total_s == modelled
+    at8 = replace(measured, measured_tree_round_by_batch={((4, 3, 16), 8): 1.6e-3})
+    first8 = tree_round_cost(at8, hw, 1, TreeBudget(1, 1, 2), 8, ctx).total_s
+    assert tree_round_cost(at8, hw, 1, TreeBudget(4, 4, 16), 8, ctx).total_s == pytest.approx(
+        first8 + 3 * (1.6e-3 - first8) / 2)
+
+
+def test_plan_calibrates_on_several_bench_files(tmp_path):
+    """``--calibrate A,B``: the records of both files fitted together (a chain's and a tree's), the
+    tree's measured round pricing another budget of its topk."""
+    common = {"ar_step_ms": 1.29, "num_prompts": 4, "batch_size": 1, "new_tokens": 128}
+    chain = write(tmp_path, [{"method": "eagle3", "k": 5, "tau": 1.96, "verify_step_ms": 1.47,
+                              "draft_step_ms": 0.48, **common}], "chain.json")
+    tree = {"method": "eagle3", "k": 3, "tau": 2.44, "verify_step_ms": 1.80, "draft_step_ms": 0.90,
+            "topk": 4, "steps": 3, "draft_tokens": 16, **common}
+    trees = write(tmp_path, [tree], "tree.json")
+    other = write(tmp_path, [{**tree, "steps": 4, "k": 4, "tau": 2.56, "draft_step_ms": 1.22}], "other.json")
+    console, _ = quiet()
+    result = plan("default", "h100", calibrate=f"{chain},{trees}", acceptance=other, console=console)
+    (p,) = [p for p in result.predictions if p.tree == (4, 4, 16)]
+    assert 1.0e-3 < p.draft_round_s < 1.6e-3  # the first step, then three levels at the measured level's cost
+    with pytest.raises(UserError):
+        plan("default", "h100", calibrate=f"{chain},{tmp_path / 'missing.json'}", acceptance=other, console=console)
+
+
 @pytest.mark.parametrize("moe", ["tiny", "kimi"])
 def test_wide_tree_verify_wakes_more_experts(moe, kimi):
     shape = ModelShape.from_arch(arch_info(tiny_config("deepseek_v3"))) if moe == "tiny" else kimi

@@ -19,7 +19,7 @@ Contract:
   Rows carry ``draft`` (chain | tree | parallel | block), ``topk``/``steps``/``draft_tokens`` and
   ``launch`` (SGLang's flags for EAGLE-3 chains and trees). The recommendation is the fastest row
   that fits; chains come first, so a tree must be strictly faster to be chosen.
-- ``calibrate`` is a bench JSON with measured step times (``ar_step_ms``,
+- ``calibrate`` is a bench JSON (or several, comma-separated) with measured step times (``ar_step_ms``,
   ``verify_step_ms``...) or a JSON object of measured inputs
   (``single_stream_tokens_per_s``, ``allreduce_share``, ``collectives_per_token``); see
   ``cost_model.calibrate`` / ``calibrate_measured``. ``measured`` is what a user measured on
@@ -254,6 +254,10 @@ def _histogram(path: str) -> list[float]:
 
 
 def _load_calibration(path: str, shape: ModelShape, hw: HardwareProfile, tp: int, context: int) -> Calibration:
+    if "," in path and not Path(path).exists():  # several bench files: their records fitted together
+        parts = [p for p in path.split(",") if p]
+        records = [r for p in parts for r in records_of(read_json(p, "calibration"), p)]
+        return fit_calibration(records, shape, hw, tp, context, origin=", ".join(Path(p).name for p in parts))
     data = read_json(path, "calibration")
     name = Path(path).name
     if isinstance(data, dict) and "single_stream_tokens_per_s" in data:

@@ -81,7 +81,9 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     """``steps`` draft forwards for each of b sequences: the first over the accepted tokens (a chain
     round of one token, fc included), each later one over ``topk`` nodes per sequence.
     A measured round for this budget (``DraftSpec.measured_tree_round*``) replaces the model; a
-    topk-1 budget is the chain round of k = steps."""
+    measured round of another budget of the same topk prices each later level (``measured_level_s``:
+    a level's real cost holds its softmax and top-k over the draft vocabulary and the launches the
+    model's weight terms miss); a topk-1 budget is the chain round of k = steps."""
     key = budget.shape()
     measured = draft.measured_tree_round_by_batch.get((key, batch), draft.measured_tree_round_s.get(key))
     if measured is not None:
@@ -89,9 +91,23 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     if budget.is_chain or draft.shape is None:
         return draft_round_cost(draft, hw, tp, budget.steps, batch, context)
     first = draft_round_cost(draft, hw, tp, 1, batch, context)
+    level_s = measured_level_s(draft, budget.topk, batch, first.total_s)
+    if level_s is not None:
+        return StepCost(first.terms + (Term("draft levels (measured per level)", level_s * (budget.steps - 1),
+                                            bound="overhead"),), budget.draft_tokens - 1, batch, context)
     level = step_cost(draft.shape, hw, tp, budget.topk, batch, context, include_step_overhead=False)
     terms = first.terms + level.scaled(budget.steps - 1, prefix="draft ").terms
     return StepCost(terms, budget.draft_tokens - 1, batch, context)
+
+
+def measured_level_s(draft: DraftSpec, topk: int, batch: int, first_s: float) -> float | None:
+    """One drafting level of ``topk`` nodes in seconds, from measured rounds of other budgets with the
+    same topk and at least two levels (their round less its first step, per later level; the mean of
+    them), at this batch if measured there; None when none was measured."""
+    by_batch = {k: v for (k, b), v in draft.measured_tree_round_by_batch.items() if b == batch}
+    rounds = by_batch or draft.measured_tree_round_s
+    levels = [(s - first_s) / (steps - 1) for (t, steps, _), s in rounds.items() if t == topk and steps >= 2]
+    return max(sum(levels) / len(levels), 0.0) if levels else None
 
 
 def predict_tree(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, budget: TreeBudget, tau: float,

@@ -19,9 +19,16 @@ Contract:
   vocabulary, aux ids within its layers, the mask token inside the vocabulary. Any missing,
   unknown or misshapen tensor is a one-line ``UserError``.
 - ``dflash_issues(cfg, target_config)``: the same checks as a list of lines (``inspect``).
+- ``layout="speculators"`` writes speculators' DFlash layout instead (``DFlashSpeculatorConfig``:
+  ``speculators_model_type: "dflash"``, the Qwen3 fields in ``transformer_layer_config``,
+  ``aux_hidden_state_layer_ids`` = our aux ids, ``mask_token_id``, ``block_size``, the
+  ``speculators_config`` naming the verifier, which speculators' class reads the embedding from;
+  the same tensors). ``sliding_window_non_causal`` is written true: our layers are all full
+  attention, which speculators always runs bidirectionally, and vLLM 0.32 turns a false value
+  into ``dflash_config.causal: true`` for every layer. A full-vocabulary drafter is refused there:
+  speculators replaces its lm_head with the verifier's. ``read_dflash`` reads both layouts.
 
-Not done here: the speculators DFlash layout (``DFlashSpeculatorConfig``), quantised drafters, a
-separately trained mask embedding (``mask_embedding.pt``).
+Not done here: quantised drafters, a separately trained mask embedding (``mask_embedding.pt``).
 """
 
 from __future__ import annotations
@@ -46,29 +53,61 @@ ARCHITECTURE = "DFlashDraftModel"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+LAYOUTS = ("vllm", "speculators")
+SPECULATORS_ARCH = "DFlashSpeculator"  # DFlashSpeculatorConfig's default architecture
+
+
 def is_dflash(cfg: dict[str, Any]) -> bool:
     archs = " ".join(str(a) for a in cfg.get("architectures") or [] if isinstance(a, str))
     ours = cfg.get("outrider") if isinstance(cfg.get("outrider"), dict) else {}
-    return "DFlash" in archs or isinstance(cfg.get("dflash_config"), dict) or ours.get("drafter") == DRAFTER
+    return ("DFlash" in archs or isinstance(cfg.get("dflash_config"), dict) or ours.get("drafter") == DRAFTER
+            or cfg.get("speculators_model_type") == "dflash")
 
 
-def _config_json(cfg: DFlashConfig, dtype: torch.dtype, section: dict[str, Any]) -> dict[str, Any]:
+def _qwen3_fields(cfg: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The drafter's layers as a Qwen3 config (both layouts)."""
     rope = {"rope_theta": cfg.rope_theta, "rope_parameters": cfg.rope_parameters()}
     if cfg.rope_scaling:
         rope["rope_scaling"] = dict(cfg.rope_scaling)
     return {
-        "architectures": [ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps, **rope, "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size, "num_target_layers": cfg.num_target_layers,
-        "block_size": cfg.block_size, "attention_bias": False, "tie_word_embeddings": False,
+        "vocab_size": cfg.vocab_size, "attention_bias": False, "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * cfg.num_hidden_layers, "use_sliding_window": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _config_json(cfg: DFlashConfig, dtype: torch.dtype, section: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": [ARCHITECTURE], **_qwen3_fields(cfg, dtype), "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size, "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id,
                           "causal": False},
+        "outrider": section,
+    }
+
+
+def _speculators_json(cfg: DFlashConfig, dtype: torch.dtype, section: dict[str, Any], verifier: str | None,
+                      verifier_archs: list[str]) -> dict[str, Any]:
+    """speculators' ``DFlashSpeculatorConfig`` for the drafter (module docstring)."""
+    return {
+        "architectures": [SPECULATORS_ARCH], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.max_draft,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_archs},
+        },
+        "transformer_layer_config": _qwen3_fields(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size, "block_size": cfg.block_size,
+        "target_hidden_size": cfg.target_hidden_size, "num_target_layers": cfg.num_target_layers,
+        "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True, "sample_from_anchor": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "outrider": section,
     }
 
@@ -105,26 +144,39 @@ def launch_text(cfg: DFlashConfig, out: Path, target: str | None, num_speculativ
 
 def write_dflash(drafter: DFlashDrafter, out: str | Path, target: str | None = None, dtype: str = "bfloat16",
                  extra: dict[str, Any] | None = None, num_speculative_tokens: int | None = None,
-                 target_config: Any = None) -> dict[str, Any]:
-    """Write ``drafter`` to ``out`` (module docstring); returns what was written (files, max logit difference)."""
+                 target_config: Any = None, layout: str = "vllm", verifier: str | None = None,
+                 verifier_archs: list[str] | None = None) -> dict[str, Any]:
+    """Write ``drafter`` to ``out`` in ``layout`` (module docstring; ``verifier``: speculators'
+    ``verifier.name_or_path``); returns what was written (files, max logit difference)."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    if layout not in LAYOUTS:
+        raise UserError(f"unknown DFlash layout '{layout}': use one of {', '.join(LAYOUTS)}")
     torch_dtype = DTYPES[dtype]
     cfg = drafter.config
+    if layout == "speculators" and cfg.draft_vocab_size == cfg.vocab_size:
+        raise UserError("speculators replaces a full-vocabulary DFlash drafter's lm_head with its verifier's, and "
+                        "this drafter's is its own: export it with --format vllm")
+    if layout == "speculators" and not verifier:
+        raise UserError("the speculators layout names the verifier (speculators reads its embedding there): pass "
+                        "--target")
     if target_config is not None:
         problems = dflash_issues(cfg, target_config)
         if problems:
             raise UserError(f"the DFlash drafter does not fit the target: {problems[0]}")
-    section = {**(extra or {}), "drafter": DRAFTER, "version": __version__, "config": cfg.to_dict(), "format": "dflash"}
+    section = {**(extra or {}), "drafter": DRAFTER, "version": __version__, "config": cfg.to_dict(),
+               "format": "dflash" if layout == "vllm" else "speculators"}
     if target is not None:
         section["target"] = {"name": target}
+    config = (_config_json(cfg, torch_dtype, section) if layout == "vllm"
+              else _speculators_json(cfg, torch_dtype, section, verifier, list(verifier_archs or [])))
     out = Path(out).expanduser().resolve()
     tensors = _tensors(drafter, torch_dtype)
     reference = copy.deepcopy(drafter).to(device="cpu", dtype=torch_dtype).eval()
     from safetensors.torch import save_file
 
     with atomic_dir(out, carry=OWN_FILES) as tmp:
-        (tmp / "config.json").write_text(json.dumps(_config_json(cfg, torch_dtype, section), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "LAUNCH.md").write_text(launch_text(cfg, out, target, num_speculative_tokens))
         reloaded = read_dflash(tmp, target_config, dtype=torch_dtype)
@@ -158,10 +210,20 @@ def random_check(a: DFlashDrafter, b: DFlashDrafter, seed: int = 0, S: int = 6) 
 
 
 def _config_from_json(raw: dict[str, Any], path: Path) -> DFlashConfig:
-    """Our config from the ``outrider`` section, else from the engine fields (a z-lab/SpecForge drafter)."""
+    """Our config from the ``outrider`` section, else from the engine fields (a z-lab/SpecForge drafter,
+    or speculators' layout, whose aux ids are ours)."""
     ours = raw.get("outrider") if isinstance(raw.get("outrider"), dict) else {}
     if isinstance(ours.get("config"), dict):
         return DFlashConfig.from_dict(ours["config"])
+    if raw.get("speculators_model_type") == "dflash":
+        layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else {}
+        ids = raw.get("aux_hidden_state_layer_ids")
+        top = {k: raw[k] for k in ("draft_vocab_size", "block_size", "target_hidden_size", "num_target_layers",
+                                   "mask_token_id") if k in raw}
+        dflash = {"mask_token_id": raw.get("mask_token_id")}
+        if isinstance(ids, list):
+            dflash["target_layer_ids"] = [j - 1 if isinstance(j, int) else j for j in ids]
+        raw = {**layer, **top, "dflash_config": dflash}
     dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     try:
         ids = dflash.get("target_layer_ids") or raw["target_layer_ids"]

@@ -364,20 +364,24 @@ def export(head_or_dir: Eagle3Head | str | Path, format: str, out: str | Path, t
 def _export_dflash(drafter_or_dir: DFlashDrafter | str | Path, format: str, out: str | Path, target: str | None,
                    dtype: str, num_speculative_tokens: int | None, extra: dict[str, Any] | None,
                    tree: TreeSpec | None) -> ExportReport:
-    """A DFlash drafter in vLLM's DFlash layout (``formats.dflash``), whichever engine format is named."""
-    if format == "speculators":
-        raise UserError("the speculators DFlash layout is not written yet: use --format vllm (vLLM loads the "
-                        "DFlash layout it writes)")
+    """A DFlash drafter in vLLM's DFlash layout (``formats.dflash``) for ``vllm`` and ``sglang``, in
+    speculators' for ``speculators``."""
     if tree is not None:
         raise UserError("a DFlash drafter drafts chains (one block per round): drop --tree")
-    _, target_cfg = _target_record(target)
+    record, target_cfg = _target_record(target)
     drafter = drafter_or_dir if isinstance(drafter_or_dir, DFlashDrafter) else load_head(drafter_or_dir)[0]
     meta = {} if isinstance(drafter_or_dir, DFlashDrafter) else dict(read_config(drafter_or_dir).get("outrider") or {})
     meta.pop("config", None)
     if target is None and isinstance(meta.get("target"), dict):
         target = meta["target"].get("name")
+    verifier = None
+    if format == "speculators":
+        record = record or dict(meta.get("target") or {})
+        verifier = _verifier(target, record)
     cfg = drafter.config
-    written = write_dflash(drafter, out, target, dtype, {**meta, **(extra or {})}, num_speculative_tokens, target_cfg)
+    written = write_dflash(drafter, out, target, dtype, {**meta, **(extra or {})}, num_speculative_tokens, target_cfg,
+                           layout="speculators" if format == "speculators" else "vllm", verifier=verifier,
+                           verifier_archs=list(record.get("architectures") or []))
     k = num_speculative_tokens or cfg.max_draft
     notes = [] if k == cfg.max_draft else [
         f"num_speculative_tokens {k} {'exceeds' if k > cfg.max_draft else 'is below'} the trained block's "
