@@ -7,13 +7,14 @@ Each ``--run`` is ``METHOD:DRAFT`` with options ``k=K`` (default 5), ``b=BATCH``
 ``tree=TOPK,STEPS,TOKENS`` (an EAGLE-2 budget, method eagle3). Every run is ``outrider.bench.local.bench``
 as ``outrider bench`` calls it (the same prompts, its own autoregressive passes beside it, the
 lossless verdict), with the target loaded once for all of them, so a sweep pays one load and the
-compiled target's warm caches; its record goes to ``DIR/bench-METHOD-bB[-kK|-tree-...].json``.
+compiled target's warm caches; its record goes to ``DIR/bench-METHOD-bB-kK.json`` (a chain) or ``DIR/bench-METHOD-bB-tree-T-S-N.json``.
 Prints one table row per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -26,11 +27,16 @@ from outrider.trees import TreeBudget
 
 def parse_run(text: str) -> dict:
     """``METHOD:DRAFT[:k=K][:b=B][:tree=T,S,N]`` -> bench arguments and the record's file stem."""
-    parts = text.split(":")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
+    method, _, rest = text.partition(":")
+    parts = rest.split(":")
+    n_opts = 0  # the options end the text; a ':' before them belongs to the draft's path
+    while n_opts < len(parts) - 1 and re.fullmatch(r"(k|b|tree)=.*", parts[len(parts) - 1 - n_opts]):
+        n_opts += 1
+    draft = ":".join(parts[:len(parts) - n_opts])
+    if not method or not draft:
         raise UserError(f"--run takes METHOD:DRAFT[:k=K][:b=B][:tree=T,S,N], got {text!r}")
-    run = {"method": parts[0], "draft": parts[1], "k": 5, "batch_size": 1, "tree": None}
-    for opt in parts[2:]:
+    run = {"method": method, "draft": draft, "k": 5, "batch_size": 1, "tree": None}
+    for opt in parts[len(parts) - n_opts:]:
         name, _, value = opt.partition("=")
         try:
             if name == "k":

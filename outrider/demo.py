@@ -24,6 +24,7 @@ from outrider.bench.local import bench, print_table, verdict_cell
 from outrider.config import TrainConfig
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.sampling import SamplingParams
+from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json, atomic_write_text
 from outrider.interop.formats.export import export
 from outrider.models import load_model
@@ -181,7 +182,10 @@ def make_data(root: Path, size: DemoSize, model, eos: list[int]) -> bool:
 def demo_data(out: str, preset: str | None = None) -> Path:
     """Only the demo's data stage (``make_data``) into ``out/data``, for benchmarks that train
     several drafters on the demo's data; preset as ``demo``'s."""
-    size = SIZES[preset or ("full" if torch.cuda.is_available() else "quick")]
+    preset = preset or ("full" if torch.cuda.is_available() else "quick")
+    if preset not in SIZES:
+        raise UserError(f"unknown demo preset {preset!r}: use one of {', '.join(SIZES)}")
+    size = SIZES[preset]
     assets.pull(progress=False)
     model, tokenizer = load_model("default")
     root = Path(out)

@@ -315,3 +315,37 @@ def test_speculators_dflash_refusals_are_one_line(tiny_dir, tmp_path):
         export(random_drafter(target), "speculators", tmp_path / "none", dtype="float32")
     with pytest.raises(UserError, match="unknown DFlash layout"):
         write_dflash(random_drafter(target), tmp_path / "x", layout="sglang")
+
+
+def test_engine_layout_drafters_that_compute_otherwise_are_refused(tiny_dir, tmp_path):
+    """A speculators or z-lab DFlash folder with sliding layers, anchors drawn by sampling or a causal
+    block would load and draft other tokens than its engine: refused in one line. The proposal
+    method asks for the k that LAUNCH.md asks for."""
+    from transformers import AutoModelForCausalLM
+
+    from outrider.interop.formats.export import export
+
+    target_dir = tiny_dir("llama")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = random_drafter(target, seed=2)
+    for layout, k in (("speculators", 2), ("vllm", None)):
+        path = tmp_path / layout
+        export(drafter, layout, path, target=str(target_dir), dtype="float32", num_speculative_tokens=k)
+        raw = json.loads((path / "config.json").read_text())
+        raw.pop("outrider")
+        if layout == "speculators":
+            assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+            assert '"num_speculative_tokens": 2' in (path / "LAUNCH.md").read_text()
+            changes = [{"sample_from_anchor": True},
+                       {"transformer_layer_config": {**raw["transformer_layer_config"],
+                                                     "layer_types": ["sliding_attention"] * drafter.config.num_hidden_layers}}]
+        else:
+            changes = [{"dflash_config": {**raw["dflash_config"], "causal": True}},
+                       {"layer_types": ["sliding_attention"] * drafter.config.num_hidden_layers}]
+        for change in changes:
+            (path / "config.json").write_text(json.dumps({**raw, **change}))
+            with pytest.raises(UserError, match="would draft other tokens") as e:
+                read_dflash(path, target.config)
+            assert "\n" not in str(e.value)
+        (path / "config.json").write_text(json.dumps(raw))
+        assert read_dflash(path, target.config).config == drafter.config

@@ -106,6 +106,14 @@ def test_a_measured_tree_prices_the_levels_of_another_of_its_topk(smol):
     first8 = tree_round_cost(at8, hw, 1, TreeBudget(1, 1, 2), 8, ctx).total_s
     assert tree_round_cost(at8, hw, 1, TreeBudget(4, 4, 16), 8, ctx).total_s == pytest.approx(
         first8 + 3 * (1.6e-3 - first8) / 2)
+    # at a batch with no tree measured, the nearest measured batch's levels, each less its own first step
+    first1 = tree_round_cost(at8, hw, 1, TreeBudget(1, 1, 2), 1, ctx).total_s
+    big = replace(head, measured_round_by_batch={(1, 32): 0.9e-3},
+                  measured_tree_round_by_batch={((4, 3, 16), 1): 1.0e-3, ((2, 3, 10), 32): 9.0e-3})
+    first32 = tree_round_cost(big, hw, 1, TreeBudget(1, 1, 2), 32, ctx).total_s
+    assert first32 > 1.0e-3 - first1  # the batch-1 round less the batch-32 first step would clamp to nothing
+    assert tree_round_cost(big, hw, 1, TreeBudget(4, 4, 16), 32, ctx).total_s == pytest.approx(
+        first32 + 3 * (1.0e-3 - first1) / 2)
 
 
 def test_plan_calibrates_on_several_bench_files(tmp_path):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from outrider.errors import UserError
 from outrider.plan.cost_model import (
@@ -91,7 +91,11 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     if budget.is_chain or draft.shape is None:
         return draft_round_cost(draft, hw, tp, budget.steps, batch, context)
     first = draft_round_cost(draft, hw, tp, 1, batch, context)
-    level_s = measured_level_s(draft, budget.topk, batch, first.total_s)
+
+    def first_at(b: int) -> float:
+        return first.total_s if b == batch else draft_round_cost(draft, hw, tp, 1, b, context).total_s
+
+    level_s = measured_level_s(draft, budget.topk, batch, first_at)
     if level_s is not None:
         return StepCost(first.terms + (Term("draft levels (measured per level)", level_s * (budget.steps - 1),
                                             bound="overhead"),), budget.draft_tokens - 1, batch, context)
@@ -100,14 +104,18 @@ def tree_round_cost(draft: DraftSpec, hw: HardwareProfile, tp: int, budget: Tree
     return StepCost(terms, budget.draft_tokens - 1, batch, context)
 
 
-def measured_level_s(draft: DraftSpec, topk: int, batch: int, first_s: float) -> float | None:
+def measured_level_s(draft: DraftSpec, topk: int, batch: int, first_at: Callable[[int], float]) -> float | None:
     """One drafting level of ``topk`` nodes in seconds, from measured rounds of other budgets with the
-    same topk and at least two levels (their round less its first step, per later level; the mean of
-    them), at this batch if measured there; None when none was measured."""
-    by_batch = {k: v for (k, b), v in draft.measured_tree_round_by_batch.items() if b == batch}
-    rounds = by_batch or draft.measured_tree_round_s
-    levels = [(s - first_s) / (steps - 1) for (t, steps, _), s in rounds.items() if t == topk and steps >= 2]
-    return max(sum(levels) / len(levels), 0.0) if levels else None
+    same topk and at least two levels: each round less its first step at the round's own batch
+    (``first_at(b)``), per later level; the mean over the rounds measured at this batch, else at the
+    measured batch nearest to it. None when no round of this topk was measured."""
+    rounds = dict(draft.measured_tree_round_by_batch) or {(k, 1): s for k, s in draft.measured_tree_round_s.items()}
+    same = [(steps, b, s) for ((t, steps, _), b), s in rounds.items() if t == topk and steps >= 2]
+    if not same:
+        return None
+    nearest = min({b for _, b, _ in same}, key=lambda b: (abs(b - batch), b))
+    levels = [(s - first_at(b)) / (steps - 1) for steps, b, s in same if b == nearest]
+    return max(sum(levels) / len(levels), 0.0)
 
 
 def predict_tree(shape: ModelShape, hw: HardwareProfile, draft: DraftSpec, budget: TreeBudget, tau: float,

@@ -196,9 +196,9 @@ class Eagle3Proposer(Proposer):
         return torch.stack(tokens, dim=1), None if qs[0] is None else torch.stack(qs, dim=1)
 
     def _round(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor | None, ...]:
         """A round's drafting: the chain's (tokens [batch, k], q or None), or with a tree its (tokens
-        [batch, N], parents) (``_tree``)."""
+        [batch, N], parents, ancestors, depths) (``_tree``)."""
         return self._chain(aux, nxt, valid, k, prompt) if self.tree is None else self._tree(aux, nxt, valid, prompt)
 
     def _tree(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, prompt: bool

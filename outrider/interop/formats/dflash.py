@@ -92,13 +92,14 @@ def _config_json(cfg: DFlashConfig, dtype: torch.dtype, section: dict[str, Any])
 
 
 def _speculators_json(cfg: DFlashConfig, dtype: torch.dtype, section: dict[str, Any], verifier: str | None,
-                      verifier_archs: list[str]) -> dict[str, Any]:
-    """speculators' ``DFlashSpeculatorConfig`` for the drafter (module docstring)."""
+                      verifier_archs: list[str], k: int) -> dict[str, Any]:
+    """speculators' ``DFlashSpeculatorConfig`` for the drafter (module docstring); ``k`` drafts per
+    round in its proposal method, as LAUNCH.md asks."""
     return {
         "architectures": [SPECULATORS_ARCH], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
         "speculators_config": {
             "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.max_draft,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": verifier_archs},
@@ -124,9 +125,14 @@ def _tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tens
     return out
 
 
-def launch_text(cfg: DFlashConfig, out: Path, target: str | None, num_speculative_tokens: int) -> str:
+def launch_k(cfg: DFlashConfig, num_speculative_tokens: int | None) -> int:
+    """The drafts per round an export asks the engines for: the one given, at most the block's."""
+    return min(num_speculative_tokens, cfg.max_draft) if num_speculative_tokens else cfg.max_draft
+
+
+def launch_text(cfg: DFlashConfig, out: Path, target: str | None, num_speculative_tokens: int | None) -> str:
     """LAUNCH.md: each engine's command for this drafter."""
-    k = min(num_speculative_tokens, cfg.max_draft) if num_speculative_tokens else cfg.max_draft
+    k = launch_k(cfg, num_speculative_tokens)
     tgt = target or "TARGET"
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": k}
     return "\n".join([
@@ -169,7 +175,8 @@ def write_dflash(drafter: DFlashDrafter, out: str | Path, target: str | None = N
     if target is not None:
         section["target"] = {"name": target}
     config = (_config_json(cfg, torch_dtype, section) if layout == "vllm"
-              else _speculators_json(cfg, torch_dtype, section, verifier, list(verifier_archs or [])))
+              else _speculators_json(cfg, torch_dtype, section, verifier, list(verifier_archs or []),
+                                     launch_k(cfg, num_speculative_tokens)))
     out = Path(out).expanduser().resolve()
     tensors = _tensors(drafter, torch_dtype)
     reference = copy.deepcopy(drafter).to(device="cpu", dtype=torch_dtype).eval()
@@ -209,12 +216,31 @@ def random_check(a: DFlashDrafter, b: DFlashDrafter, seed: int = 0, S: int = 6) 
     return float((la - lb).abs().max())
 
 
+def _unlike_ours(raw: dict[str, Any]) -> str:
+    """What in an engine-layout config makes its drafter compute other than ours (empty: nothing)."""
+    layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else {}
+    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    types = [t for c in (raw, layer) if isinstance(c.get("layer_types"), list)
+             for t in c["layer_types"] if t != "full_attention"]
+    if types:
+        return f"layer types {sorted(set(map(str, types)))}"
+    if raw.get("sample_from_anchor") is True:
+        return "sample_from_anchor (its block starts at a sampled anchor)"
+    if dflash.get("causal") is True:
+        return "causal attention in its block"
+    return ""
+
+
 def _config_from_json(raw: dict[str, Any], path: Path) -> DFlashConfig:
     """Our config from the ``outrider`` section, else from the engine fields (a z-lab/SpecForge drafter,
     or speculators' layout, whose aux ids are ours)."""
     ours = raw.get("outrider") if isinstance(raw.get("outrider"), dict) else {}
     if isinstance(ours.get("config"), dict):
         return DFlashConfig.from_dict(ours["config"])
+    unlike = _unlike_ours(raw)
+    if unlike:
+        raise UserError(f"{path}/config.json: a DFlash drafter with {unlike}: outrider drafts with full, "
+                        "non-causal attention over the block after the newest token, and would draft other tokens")
     if raw.get("speculators_model_type") == "dflash":
         layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else {}
         ids = raw.get("aux_hidden_state_layer_ids")
