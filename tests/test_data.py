@@ -17,7 +17,9 @@ from outrider.train.data.datasets import (
     TokenDataset,
     load_dataset,
     merge_datasets,
+    opening,
     read_manifest,
+    split_overlap,
     subset_dataset,
 )
 from outrider.train.data.prepare import build_dataset
@@ -284,6 +286,49 @@ def test_split_is_a_function_of_the_seed(tmp_path, target):
     c, _ = eval_ids(1, "c")
     assert a == b and a != c and len(a) == len(c) == 10
     assert not set(a) & set(a_train) and len(set(a) | set(a_train)) == 40
+
+
+def test_split_keeps_examples_with_one_opening_on_one_side(tmp_path, target):
+    """The demo's later exchanges open as their conversation's first does, and prompts repeat with
+    other replies: no eval text may start as a train text does (a head would recall it)."""
+    records = []
+    for c, turns in many_conversations(30):
+        first = turns[:3] if turns[0][0] == "system" else turns[:2]
+        records.append(openai_record(c, first))
+        if len(turns) > len(first):
+            records.append(openai_record(f"{c}#2", first + turns[len(first):len(first) + 2]))
+        records.append(openai_record(f"{c}#again", first[:-1] + [("assistant", "w3 " + first[-1][1])]))
+    src = write_jsonl(tmp_path / "d.jsonl", records)
+    build_dataset(target, src, str(tmp_path / "out"), eval_fraction=0.25, seed=0, progress=False)
+    train, held = load_dataset(tmp_path / "out", "train"), load_dataset(tmp_path / "out", "eval")
+    assert read_manifest(tmp_path / "out")["split_by"] == "opening"
+    assert len(held) >= round(0.25 * len(records)) and len(train) + len(held) == len(records)
+    train_openings = {opening(i, m) for i, m in zip(train.input_ids, train.loss_mask)}
+    assert not train_openings & {opening(i, m) for i, m in zip(held.input_ids, held.loss_mask)}
+    assert {c.split("#")[0] for c in held.conv_ids}.isdisjoint(c.split("#")[0] for c in train.conv_ids)
+    clean = split_overlap(train, held)
+    assert clean["seen_loss_tokens"] == clean["shared_openings"] == 0 and clean["examples"] == len(held)
+
+    # the same examples split one by one leave a first exchange in eval and its later one in train
+    first = [i for i, c in enumerate(held.conv_ids) if "#" not in c][0]
+    twins = [i for i, c in enumerate(held.conv_ids) if c.split("#")[0] == held.conv_ids[first] and i != first]
+    moved = TokenDataset(train.input_ids + [held.input_ids[i] for i in twins],
+                         train.loss_mask + [held.loss_mask[i] for i in twins], [], train.manifest)
+    alone = TokenDataset([held.input_ids[first]], [held.loss_mask[first]], [], held.manifest)
+    leak = split_overlap(moved, alone)
+    learned = int(held.loss_mask[first].sum())
+    assert leak["shared_openings"] == 1
+    # a later exchange holds the whole first one; a repeated prompt only its opening (its reply differs at once)
+    later = any(held.conv_ids[i].endswith("#2") for i in twins)
+    assert leak["seen_examples"] == int(later) and leak["seen_loss_tokens"] == (learned if later else 0), leak
+
+
+def test_split_of_examples_with_a_single_opening_draws_them_one_by_one(tmp_path, target):
+    records = [openai_record(f"c{k}", [("user", "w7"), ("assistant", f"w{10 + k} w8")]) for k in range(8)]
+    build_dataset(target, write_jsonl(tmp_path / "d.jsonl", records), str(tmp_path / "out"), eval_fraction=0.25,
+                  progress=False)
+    assert read_manifest(tmp_path / "out")["split_by"] == "example"
+    assert len(load_dataset(tmp_path / "out", "eval")) == 2 and len(load_dataset(tmp_path / "out", "train")) == 6
 
 
 def test_merge_keeps_each_split_and_drops_examples_seen_before(tmp_path, target):

@@ -6,10 +6,13 @@ tokenizer identity, chat-template hash, counts, drop reasons, shards). ``load_da
 ``TokenDataset``: examples, deterministic shuffled batches drawn by length (to spare padding),
 shardable by rank; refuses a folder of another format or version with one line.
 ``merge_datasets`` joins datasets of one tokenizer (an example whose tokens were seen is dropped);
-``subset_dataset`` keeps the examples of at least a given length."""
+``subset_dataset`` keeps the examples of at least a given length. ``opening`` is the prompt an
+example opens with (what the split keeps on one side); ``split_overlap`` measures how much of one
+split's learned text another split holds."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -391,6 +394,49 @@ def subset_dataset(directory: str | Path, out: str | Path, min_length: int, shar
                       "eval": len(rows["eval"]), "dropped": {}}, "splits": {}}
     write_dataset(Path(out).expanduser(), new, rows, shard_rows)
     return new
+
+
+def opening(input_ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray) -> bytes:
+    """The tokens an example opens with, before its first learned token (system and first user
+    turn), as bytes: examples with one opening share their first reply when it was regenerated
+    greedily, and the later exchanges of one conversation share it too."""
+    mask = np.asarray(loss_mask)  # [seq]
+    learned = np.flatnonzero(mask)
+    end = int(learned[0]) if len(learned) else len(mask)
+    return np.asarray(input_ids[:end], dtype=">i4").tobytes()
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def split_overlap(train: TokenDataset, held: TokenDataset) -> dict[str, Any]:
+    """How much of ``held``'s learned text ``train`` already holds, token for token.
+
+    For each held example, the longest prefix it shares with any train example: a learned token
+    inside it sits after the same context in a train example, so a head trained long enough can
+    recall it rather than predict it (an estimate of acceptance on ``held`` then reads high). Also
+    the held examples whose opening (``opening``) a train example has. Returns counts and
+    ``seen_share``, the share of ``held``'s learned tokens inside a shared prefix."""
+    keys = sorted(np.asarray(ids, dtype=">i4").tobytes() for ids in train.input_ids)  # byte order = token order
+    openings = {opening(ids, m) for ids, m in zip(train.input_ids, train.loss_mask)}
+    seen_tokens = loss_tokens = seen_examples = shared_openings = 0
+    for ids, mask in zip(held.input_ids, held.loss_mask):
+        ids = np.asarray(ids, dtype=np.int64)  # [seq]
+        mask = np.asarray(mask)  # [seq]
+        at = bisect.bisect_left(keys, ids.astype(">i4").tobytes())
+        shared = max((_common_prefix(ids, np.frombuffer(keys[j], dtype=">i4").astype(np.int64))
+                      for j in (at - 1, at) if 0 <= j < len(keys)), default=0)
+        seen = int(mask[:shared].sum())
+        seen_tokens += seen
+        seen_examples += int(seen > 0)
+        shared_openings += int(opening(ids, mask) in openings)
+        loss_tokens += int(mask.sum())
+    return {"examples": len(held), "loss_tokens": loss_tokens, "shared_openings": shared_openings,
+            "seen_examples": seen_examples, "seen_loss_tokens": seen_tokens,
+            "seen_share": seen_tokens / loss_tokens if loss_tokens else 0.0}
 
 
 def load_split(data: str, split: str, required: bool) -> TokenDataset | None:

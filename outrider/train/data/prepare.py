@@ -23,7 +23,9 @@ Contract:
 - Sequences are cut to ``max_length`` tokens; a conversation with no masked token left is dropped,
   and so is one whose tokens an earlier one already has (sources repeat conversations under other
   ids: such a copy would train twice, or sit on both sides of the split). Train/eval split by a
-  seeded permutation. Output directory (written atomically): shards
+  seeded permutation of the examples grouped by their opening prompt (one group, one side: the
+  later exchanges of a conversation, and repeated prompts, would otherwise put a train text's first
+  part in eval). Output directory (written atomically): shards
   ``{train,eval}-NNNNN.parquet`` with columns ``input_ids list<int32>``, ``loss_mask list<int8>``
   (aligned with ``input_ids``: ``loss_mask[t] = 1`` iff token ``t`` is an assistant token the
   model must learn to predict from the tokens before it), ``conv_id string``; and
@@ -55,7 +57,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -63,7 +65,7 @@ from outrider.errors import UserError
 from outrider.models import load_tokenizer, resolve
 from outrider.progress import Bar
 from outrider.train.data.conversations import Dropped, load_source
-from outrider.train.data.datasets import FORMAT, VERSION, write_dataset
+from outrider.train.data.datasets import FORMAT, VERSION, opening, write_dataset
 from outrider.train.data.regenerate import GenerateFn, pad_id, regenerate_conversations
 from outrider.train.data.template import (
     control_strings,
@@ -136,16 +138,30 @@ def _check_args(max_conversations, max_length, eval_fraction, concurrency, max_n
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
 
 
-def _split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Indices (in source order) of train and eval examples; eval is a seeded random subset."""
-    n_eval = int(round(eval_fraction * n))
-    if eval_fraction > 0 and n >= 2:
-        n_eval = min(max(n_eval, 1), n - 1)
-    else:
-        n_eval = 0
-    perm = np.random.default_rng(int(seed)).permutation(n)
-    eval_idx = set(int(i) for i in perm[:n_eval])
-    return [i for i in range(n) if i not in eval_idx], sorted(eval_idx)
+def _split(openings: Sequence[bytes], eval_fraction: float, seed: int) -> tuple[list[int], list[int], str]:
+    """Indices (in source order) of train and eval examples, and what the split kept together.
+
+    Eval is a seeded random subset of whole groups of examples with one opening (``opening``: a
+    prompt and, regenerated greedily, its reply; the later exchanges of a conversation open as its
+    first does), so that no eval text is a train text's first part (a head that recalls it would
+    read a higher acceptance than it drafts on new prompts). Groups are drawn in a permutation of
+    their first-appearance order until ``round(eval_fraction * n)`` examples are in (at least one,
+    and never all); with every group a single example this is a permutation of the examples. When
+    every example has one opening, examples are drawn one by one (``by: example``)."""
+    n = len(openings)
+    n_eval = min(max(int(round(eval_fraction * n)), 1), n - 1) if eval_fraction > 0 and n >= 2 else 0
+    groups: dict[bytes, list[int]] = {}
+    for i, key in enumerate(openings):
+        groups.setdefault(key, []).append(i)
+    members = list(groups.values()) if len(groups) >= 2 else [[i] for i in range(n)]
+    by = "opening" if len(groups) >= 2 else "example"
+    eval_idx: set[int] = set()
+    for g in np.random.default_rng(int(seed)).permutation(len(members)):
+        if len(eval_idx) >= n_eval:
+            break
+        if len(eval_idx) + len(members[g]) < n:
+            eval_idx.update(members[g])
+    return [i for i in range(n) if i not in eval_idx], sorted(eval_idx), by
 
 
 def build_dataset(target: str, dataset: str, out: str, max_conversations: int | None = None, max_length: int = 2048,
@@ -211,7 +227,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         raise UserError(f"no conversation left with anything to learn ({detail}): check the data, the chat "
                         "template or --max-length")
 
-    train_idx, eval_idx = _split(len(rows), eval_fraction, seed)
+    train_idx, eval_idx, split_by = _split([opening(ids, mask) for _, ids, mask in rows], eval_fraction, seed)
     pad = pad_id(tokenizer, end)
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION,
@@ -219,7 +235,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         "tokenizer": {**fingerprint, "pad_token_id": int(pad), "end_token_ids": sorted(end)},
         "source": {"dataset": src.name, "scanned": src.scanned, "heldout_excluded": src.heldout_excluded,
                    "max_conversations": max_conversations, "note": src.note},
-        "max_length": max_length, "seed": seed, "eval_fraction": eval_fraction,
+        "max_length": max_length, "seed": seed, "eval_fraction": eval_fraction, "split_by": split_by,
         "regenerate": regen_info,
         "counts": {"kept": len(rows), "train": len(train_idx), "eval": len(eval_idx), "truncated": truncated,
                    "last_turn_only": last_turn_only, "dropped": dict(sorted(dropped.items()))},
