@@ -299,11 +299,27 @@ def test_killed_run_resumes_bit_identical(env, straight, tmp_path):
 # Fine-tuning and bad input: one line, nothing already written is lost
 
 
+def test_a_split_drawn_one_by_one_is_noted(env, tmp_path):
+    """Data built before the split kept openings together: its eval scores may read high, and the
+    run's summary says so."""
+    import shutil
+
+    old = tmp_path / "old-data"
+    shutil.copytree(env["data"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest.pop("split_by")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    report = train(TrainOptions(env["target"], str(old), str(tmp_path / "run"),
+                                config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
+    assert any("split_by" in n and "split_check" in n for n in report.notes), report.notes
+
+
 def test_init_fine_tunes_and_keeps_the_heads_vocabulary_on_other_data(env, straight, tmp_path):
     ref, _ = straight
     report = train(TrainOptions(env["target"], env["data"], str(tmp_path / "ft"), init=str(ref / "head"),
                                 config=CFG.replace(steps=2, eval_every=2, save_every=2), progress=False))
     assert report.steps == 2 and not any("draft vocabulary" in n for n in report.notes)
+    assert not any("split_by" in n for n in report.notes)  # the split keeps openings together
     first = _train_records(tmp_path / "ft")[0]
     assert first["loss"] < _train_records(ref)[0]["loss"]  # it started from the trained head
     other = train(TrainOptions(env["target"], env["other"], str(tmp_path / "ft2"), init=str(ref / "head"),

@@ -406,6 +406,15 @@ def opening(input_ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np
     return np.asarray(input_ids[:end], dtype=">i4").tobytes()
 
 
+def split_note(held: TokenDataset | None) -> str | None:
+    """What a run's summary says of an eval split drawn one by one (a dataset built before
+    ``split_by``, or merged): eval examples may open as train ones do, and their scores read high."""
+    if held is None or len(held) == 0 or held.manifest.get("split_by"):
+        return None
+    return ("the data's eval split was not drawn by opening (no split_by in its manifest): eval examples that open "
+            "as train ones do score high (benchmarks/split_check.py measures it; `outrider data` rebuilds the split)")
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])

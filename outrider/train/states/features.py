@@ -36,7 +36,7 @@ from outrider.models import (
     parse_dtype,
     resident_weight,
 )
-from outrider.train.data.datasets import Batch, BatchCursor, TokenDataset, load_split, to_device
+from outrider.train.data.datasets import Batch, BatchCursor, TokenDataset, load_split, split_note, to_device
 from outrider.train.loop import flops
 from outrider.train.states import peers
 from outrider.train.states.cache import OutriderCache, dequantize, topk_teacher
@@ -65,7 +65,9 @@ def open_target(target: str, data: str | None, cache: str | None, device: torch.
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         model = model.to(device)
     splits["train"].check_tokenizer(tokenizer)
-    return OnlineTarget(model.eval().requires_grad_(False), splits, device)
+    side = OnlineTarget(model.eval().requires_grad_(False), splits, device)
+    side.notes.extend(filter(None, [split_note(splits["eval"])]))
+    return side
 
 
 class OnDevice(torch.nn.Module):
