@@ -7,7 +7,7 @@
 # (shape_change); not in the default chain: gputests (tests/test_gpu.py's graph tests), compare
 # (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
-# EAGLE-3 head: eval-split against held-out prompts). Each part writes its results into $RES and a `PART.done` marker before the next
+# EAGLE-3 head: eval-split against held-out prompts; split_check on its data). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
 #   gpu_run.sh wait S             wait up to S seconds (a device call lasts 10 minutes at most and an
@@ -91,6 +91,7 @@ part_treeplan() {  # the planner's tree prices from the chain's measured costs, 
   done
 }
 part_walk() {  # the trainer's walked tau against the engine's tau: eval-split prompts and held-out prompts
+  stage split python3 benchmarks/split_check.py --data $CMP/demo/data --out $RES/split.json
   stage walk-eval python3 benchmarks/walk_check.py --head $CMP/eagle3/head --data $CMP/demo/data --examples 30 \
       --k 5 --device cuda --out $RES/walk-eval.json
   stage walk-heldout python3 benchmarks/walk_check.py --head $CMP/eagle3/head --prompts sharegpt --examples 30 \
