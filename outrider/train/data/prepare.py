@@ -147,7 +147,7 @@ def _split(openings: Sequence[bytes], eval_fraction: float, seed: int) -> tuple[
     read a higher acceptance than it drafts on new prompts). Groups are drawn in a permutation of
     their first-appearance order until ``round(eval_fraction * n)`` examples are in (at least one,
     and never all); with every group a single example this is a permutation of the examples. When
-    every example has one opening, examples are drawn one by one (``by: example``)."""
+    all examples share a single opening, they are drawn one by one (``by: example``)."""
     n = len(openings)
     n_eval = min(max(int(round(eval_fraction * n)), 1), n - 1) if eval_fraction > 0 and n >= 2 else 0
     groups: dict[bytes, list[int]] = {}
