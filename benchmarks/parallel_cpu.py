@@ -58,7 +58,7 @@ def build_demo_data(work: Path, model, tokenizer) -> Path:
     assets.pull(progress=True)
     corpus = sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True))
     source = work / "exchanges.json"
-    atomic_write_json(source, sharegpt.training_exchanges(corpus, size.first, size.later))
+    atomic_write_json(source, sharegpt.training_exchanges(corpus, size.first, size.later, size.single))
     build_dataset("default", str(source), str(data), max_length=size.max_length, regenerate=True,
                   max_new_tokens=size.regen_tokens, generate_fn=engine_generate_fn(model, eos_token_ids(model, tokenizer)),
                   progress=True)

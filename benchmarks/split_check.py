@@ -14,7 +14,7 @@ example, and the eval examples whose opening prompt a train example has.
 permutation of the examples one by one (how datasets were split before the split kept openings together);
 ``--write-by-example DIR2`` writes that second split as a dataset, to train a head on it.
 
-``--demo-proxy PRESET``: no regeneration (a CPU can't regenerate the full preset's 28,000 replies in
+``--demo-proxy PRESET``: no regeneration (a CPU can't regenerate the full preset's replies in
 minutes): the preset's exchanges (``sharegpt.training_exchanges``) with each source reply cut to the
 preset's regeneration length are tokenised into ``--work``/data (the demo's max length, eval fraction
 and seed), and both splits are measured on them. The shared prefixes are the ones regeneration
@@ -72,7 +72,7 @@ def proxy_data(preset: str, work: Path) -> str:
         return str(data)
     tokenizer = load_tokenizer("default")
     corpus = sharegpt.load_sharegpt(assets.sharegpt_path(pulled=True))
-    exchanges = sharegpt.training_exchanges(corpus, size.first, size.later)
+    exchanges = sharegpt.training_exchanges(corpus, size.first, size.later, size.single)
     for ex in exchanges:
         for turn in ex["conversations"]:
             if turn.get("from") == "gpt":

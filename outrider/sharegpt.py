@@ -230,15 +230,21 @@ def first_user_turns(conversations: Iterable[dict[str, Any]] | ShareGPT, heldout
     return prompts
 
 
-def training_exchanges(corpus: ShareGPT, first: int, later: int = 0) -> list[dict[str, Any]]:
-    """Short training-split conversations for regeneration: ``first`` first exchanges (a user turn
-    and its reply), then ``later`` exchanges from further in: the first two exchanges of
-    conversations that have them (the second reply learnt after the first), or the first exchange
-    of a conversation part that opens with a reply (its earlier turns are in another part). Held-out
-    conversations, and those opening with a held-out prompt, are never taken (``held_out_filter``).
-    Regenerating a whole conversation costs one generation per reply: exchanges keep that small."""
+def training_exchanges(corpus: ShareGPT, first: int, later: int = 0, single: int = 0) -> list[dict[str, Any]]:
+    """Short training-split conversations for regeneration, in this order (the order a time budget
+    cuts from the end): ``first`` first exchanges (a user turn and its reply); ``single`` user turns
+    from further in, each alone with its reply as an exchange of its own, every one a prompt that no
+    first exchange taken and no other single opens with (``prompt_marks``); then ``later`` exchanges
+    from further in: the first two exchanges of conversations that have them (the second reply
+    learnt after the first), or the first exchange of a conversation part that opens with a reply
+    (its earlier turns are in another part). Held-out conversations, and those opening with a
+    held-out prompt, are never taken, nor a single whose prompt is a held-out opening
+    (``held_out_filter``). Regenerating a whole conversation costs one generation per reply:
+    exchanges keep that small, and a single costs one generation for one new reply where a later
+    exchange costs two (its first reply is the first exchange's, regenerated again)."""
     held = held_out_filter(corpus)
-    firsts, laters = [], []
+    held_openings = _openings(corpus, held_out=True)
+    firsts, singles, laters = [], [], []
     for conv in corpus.conversations:
         turns = conv.get("conversations") or []
         who = [t.get("from") if isinstance(t, dict) else None for t in turns]
@@ -254,7 +260,23 @@ def training_exchanges(corpus: ShareGPT, first: int, later: int = 0) -> list[dic
             i = who.index("human")
             if who[i + 1:i + 2] == ["gpt"]:
                 laters.append({"id": f"{conv['id']}#p", "conversations": turns[i:i + 2]})
-    return firsts + laters
+    if single:
+        taken = {m for ex in firsts for m in prompt_marks(ex["conversations"][0].get("value") or "")}
+        taken |= held_openings
+        for conv in corpus.conversations:
+            turns = conv.get("conversations") or []
+            if held(conv) or len(singles) >= single:
+                continue
+            for i in range(1, len(turns) - 1):
+                ask, reply = turns[i], turns[i + 1]
+                if not (isinstance(ask, dict) and isinstance(reply, dict) and ask.get("from") == "human"
+                        and reply.get("from") == "gpt" and isinstance(ask.get("value"), str) and ask["value"].strip()):
+                    continue
+                marks = prompt_marks(ask["value"])
+                if taken.isdisjoint(marks) and len(singles) < single:
+                    taken |= marks
+                    singles.append({"id": f"{conv['id']}#s{i}", "conversations": [ask, reply]})
+    return firsts + singles + laters
 
 
 def deeper_exchanges(corpus: ShareGPT, exchanges: Iterable[int] = (3, 4, 5)) -> list[dict[str, Any]]:

@@ -545,6 +545,38 @@ def test_regenerate_turn_by_turn_with_a_generate_fn(tmp_path, target, tok):
     assert load_dataset(tmp_path / "out").conv_ids == ds.conv_ids
 
 
+def test_regeneration_under_a_time_budget_stops_between_chunks_and_resumes(tmp_path, monkeypatch, target):
+    """Chunks of 4 conversations go in order; a chunk starts only if the last one's pace fits the
+    budget; the rest are dropped as over budget, and a rerun goes on from the cache."""
+    from types import SimpleNamespace
+    import outrider.train.data.regenerate as regen
+
+    clock = [0.0]
+    monkeypatch.setattr(regen, "BUDGET_CHUNK", 4)
+    monkeypatch.setattr(regen, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def generate_fn(prompts, max_new_tokens):
+        clock[0] += 1.0  # one second per batch
+        return [[5 + (sum(p) % 80), 2] for p in prompts]
+
+    convs = many_conversations(9)  # 1, 2, 3 exchanges in turn: 3 batches per chunk of 4
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in convs])
+    out = str(tmp_path / "out")
+    build_dataset(target, src, out, regenerate=True, generate_fn=generate_fn, eval_fraction=0.0, progress=False,
+                  regen_budget_s=5.0, concurrency=1)
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["regenerate"]["conversations"] == 4 and m["regenerate"]["over_budget"] == 5
+    assert m["regenerate"]["seconds"] == 3.0 and m["counts"]["dropped"]["over_budget"] == 5
+    assert sorted(load_dataset(tmp_path / "out").conv_ids) == ["c0", "c1", "c2", "c3"]
+    build_dataset(target, src, out, regenerate=True, generate_fn=generate_fn, eval_fraction=0.0, progress=False,
+                  regen_budget_s=5.0, concurrency=1)
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["regenerate"]["from_cache"] == 4 and m["regenerate"]["conversations"] == 8
+    assert sorted(load_dataset(tmp_path / "out").conv_ids) == [f"c{i}" for i in range(8)]
+    with pytest.raises(UserError, match="time budget"):
+        build_dataset(target, src, out, regenerate=True, generate_fn=generate_fn, regen_budget_s=float("nan"))
+
+
 def test_regenerate_locally_with_the_default_hf_backend(tmp_path, tiny_target, tok):
     convs = many_conversations(4)
     src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in convs])

@@ -63,6 +63,27 @@ def test_training_exchanges_hold_out_benchmark_prompts(tmp_path):
     assert [len(r["conversations"]) for r in out] == [2, 4]
 
 
+def test_single_exchanges_are_later_prompts_alone_each_prompt_once_none_held_out(tmp_path):
+    held_id = next(f"h{i}" for i in range(1000) if sharegpt.heldout(f"h{i}"))
+    ids = [f"k{i}" for i in range(1000) if not sharegpt.heldout(f"k{i}")][:3]
+
+    def conv(cid, *texts):
+        return {"id": cid, "conversations": [{"from": ("human", "gpt")[i % 2], "value": t} for i, t in enumerate(texts)]}
+
+    corpus = sharegpt.ShareGPT(path=tmp_path / "sharegpt.json", conversations=[
+        conv(held_id, "the benchmark prompt", "r", "held-out follow-up", "r"),
+        conv(ids[0], "opening one", "r1", "Shorter please", "r2", "the  BENCHMARK prompt", "r3", "opening two", "r4"),
+        conv(ids[1], "opening two", "r1", "shorter please", "r2", "a new ask", "r3"),
+        conv(ids[2], "opening three", "r1", "last ask", ""),
+    ], complete=4, truncated=False, dropped_bytes=0, dropped_records=0, note="")
+    out = sharegpt.training_exchanges(corpus, first=5, later=1, single=10)
+    assert [r["id"] for r in out] == [ids[0], ids[1], ids[2], ids[0] + "#s2", ids[1] + "#s4", ids[2] + "#s2",
+                                      ids[0] + "#2"]
+    assert out[3]["conversations"] == [{"from": "human", "value": "Shorter please"}, {"from": "gpt", "value": "r2"}]
+    assert [r["id"] for r in sharegpt.training_exchanges(corpus, first=1, single=2)] == [ids[0], ids[0] + "#s2",
+                                                                                          ids[0] + "#s6"]
+
+
 def test_the_summary_shows_each_rows_lossless_verdict(tmp_path):
     from outrider.demo import _summary
     from outrider.bench.verdict import Verdict

@@ -7,7 +7,8 @@
 # (shape_change); not in the default chain: gputests (tests/test_gpu.py's graph tests), compare
 # (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
-# EAGLE-3 head: eval-split against held-out prompts; split_check on its data). Each part writes its results into $RES and a `PART.done` marker before the next
+# EAGLE-3 head: eval-split against held-out prompts; split_check on its data), demowalk (the same on
+# the demo's head and data), regen (regen_rate: the data stage's replies per second). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
 #   gpu_run.sh wait S             wait up to S seconds (a device call lasts 10 minutes at most and an
@@ -90,12 +91,17 @@ part_treeplan() {  # the planner's tree prices from the chain's measured costs, 
         --acceptance $CMP/bench-eagle3-b1-tree-$t.json --json $RES/plan-tree-$t.json
   done
 }
-part_walk() {  # the trainer's walked tau against the engine's tau: eval-split prompts and held-out prompts
-  stage split python3 benchmarks/split_check.py --data $CMP/demo/data --out $RES/split.json
-  stage walk-eval python3 benchmarks/walk_check.py --head $CMP/eagle3/head --data $CMP/demo/data --examples 30 \
-      --k 5 --device cuda --out $RES/walk-eval.json
-  stage walk-heldout python3 benchmarks/walk_check.py --head $CMP/eagle3/head --prompts sharegpt --examples 30 \
-      --k 5 --device cuda --out $RES/walk-heldout.json
+walk_on() {  # walk_on DATA HEAD TAG: the trainer's walked tau against the engine's, eval-split and held-out prompts
+  stage split$3 python3 benchmarks/split_check.py --data $1 --out $RES/split$3.json
+  stage walk-eval$3 python3 benchmarks/walk_check.py --head $2 --data $1 --examples 30 \
+      --k 5 --device cuda --out $RES/walk-eval$3.json
+  stage walk-heldout$3 python3 benchmarks/walk_check.py --head $2 --prompts sharegpt --examples 30 \
+      --k 5 --device cuda --out $RES/walk-heldout$3.json
+}
+part_walk() { walk_on $CMP/demo/data $CMP/eagle3/head ""; }  # compare's EAGLE-3 head
+part_demowalk() { walk_on $DEMO/data $DEMO/head -demo; }  # the demo's head
+part_regen() {  # the data stage's regeneration rate by batch size
+  stage regen python3 benchmarks/regen_rate.py --batches 128,256,512 --prompts 1024 --out $RES/regen_rate.json
 }
 part_shape() {
   stage shape python3 benchmarks/shape_change.py --json $RES/shape_change.json

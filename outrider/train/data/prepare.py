@@ -42,6 +42,8 @@ Contract:
   and reused on a rerun with the same settings, so an interrupted run resumes. A reply cut at ``max_new_tokens`` is stored as if it
   had ended there (the template closes it); turns whose prompt already fills ``max_length`` are
   not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
+  ``regen_budget_s`` > 0 regenerates conversations in chunks, in the source's order, while the
+  budget lasts; the rest are dropped (``over_budget``).
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
   shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split
   with its own; an example whose tokens were seen before is dropped).
@@ -170,7 +172,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
                   progress: bool = True, generate_fn: GenerateFn | None = None, temperature: float = 0.0, *,
                   shard_rows: int = 8192, retries: int = 5, backoff: float = 1.0,
                   timeout: float = 300.0, device_map: str | dict | None = None,
-                  offload_folder: str | None = None) -> DataReport:
+                  offload_folder: str | None = None, regen_budget_s: float = 0.0) -> DataReport:
     """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
     _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
     if server and not regenerate:
@@ -182,6 +184,8 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
         raise UserError(f"--temperature must be a number >= 0, got {temperature}")
     if temperature and not regenerate:
         raise UserError("--temperature is only used to regenerate responses: add --regenerate")
+    if not (regen_budget_s >= 0 and math.isfinite(regen_budget_s)):
+        raise UserError(f"the regeneration's time budget must be a number of seconds >= 0, got {regen_budget_s}")
     out_path = Path(out).expanduser()
     tokenizer = load_tokenizer(target)
     require_chat_template(tokenizer, str(target))
@@ -200,7 +204,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
             conversations, tokenizer, target, model_path, end, fingerprint["chat_template_hash"], out_path,
             server, server_model, concurrency, max_new_tokens, max_length, progress, generate_fn,
             dict(timeout=timeout, retries=retries, backoff=backoff), dropped, float(temperature), seed,
-            placement=(device_map, offload_folder))
+            placement=(device_map, offload_folder), budget_s=float(regen_budget_s))
         conversations = without_control_text(conversations, controls, dropped)
         regen_info["conversations"] = len(conversations)
 

@@ -10,7 +10,9 @@ ended there; turns whose prompt already fills ``max_length`` are not generated; 
 refusals (HTTP 4xx) end that conversation at the refused turn: the conversations so cut short are
 counted (``truncated_by_server``; none kept: ``dropped`` ``server_rejected``), the server's first
 reason (status and message) is kept (``server_refusal``), and a refused conversation is not
-replayed from the cache: the next run asks the server again."""
+replayed from the cache: the next run asks the server again. Under a time budget conversations go
+in chunks in the order given and the ones no chunk reached are dropped (``over_budget``): a rerun
+finds the finished ones in the cache and goes on from there."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import copy
 import hashlib
 import json
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from outrider.interop.openai_client import ChatClient, ServerRejected
 from outrider.train.data.template import encode, render
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]  # prompts' token ids, max new -> new ids
+BUDGET_CHUNK = 2048  # conversations per chunk under a time budget (at least 4 batches or 4 rounds of requests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,8 +285,11 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
                 concurrency: int, max_new_tokens: int, max_length: int, progress: bool,
                 generate_fn: GenerateFn | None, client_options: dict[str, Any],
                 dropped: Counter, temperature: float = 0.0, seed: int = 0,
-                placement: tuple[Any, Any] = (None, None)) -> tuple[list[Conversation], dict[str, Any]]:
-    """Replace assistant turns with the target's replies; cached conversations are not regenerated."""
+                placement: tuple[Any, Any] = (None, None), budget_s: float = 0.0
+                ) -> tuple[list[Conversation], dict[str, Any]]:
+    """Replace assistant turns with the target's replies; cached conversations are not regenerated.
+    ``budget_s`` > 0: conversations go in chunks, in the order given, and no chunk starts that the
+    last one's pace says would end past the budget; the ones left are dropped (``over_budget``)."""
     if generate_fn is not None:
         fn_t, fn_seed = float(getattr(generate_fn, "temperature", 0.0)), getattr(generate_fn, "seed", 0)
         if fn_t != temperature or (temperature and fn_seed != seed):
@@ -307,25 +314,39 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
         else:
             todo.append((conv, key))
     from_cache = len(results)
+    start = time.perf_counter()
     try:
         with Bar(progress, "regenerating", len(todo)) as bar:
-            if todo and client is not None:
-                results.update(_regen_server(todo, tokenizer, client, max_new_tokens, max_length, concurrency,
-                                             cache, bar, temperature, seed))
-            elif todo:
-                if generate_fn is None:
-                    model, _ = load_model(target, with_tokenizer=False, device_map=placement[0],
-                                          offload_folder=placement[1])
-                    generate_fn = hf_generate_fn(model, pad_id(tokenizer, end), end, temperature=temperature,
-                                                 seed=seed)
-                results.update(_regen_local(todo, tokenizer, generate_fn, max_new_tokens, max_length, end,
-                                            cache, bar))
+            if todo and client is None and generate_fn is None:
+                model, _ = load_model(target, with_tokenizer=False, device_map=placement[0],
+                                      offload_folder=placement[1])
+                generate_fn = hf_generate_fn(model, pad_id(tokenizer, end), end, temperature=temperature, seed=seed)
+            per_call = concurrency if client is not None else getattr(generate_fn, "batch_size", 1)
+            size = max(BUDGET_CHUNK, 4 * per_call) if budget_s > 0 else max(len(todo), 1)
+            pace = 0.0  # seconds the last chunk took
+            for at in range(0, len(todo), size):
+                if budget_s > 0 and at and time.perf_counter() - start + pace > budget_s:
+                    break
+                t = time.perf_counter()
+                chunk = todo[at: at + size]
+                if client is not None:
+                    results.update(_regen_server(chunk, tokenizer, client, max_new_tokens, max_length, concurrency,
+                                                 cache, bar, temperature, seed))
+                else:
+                    results.update(_regen_local(chunk, tokenizer, generate_fn, max_new_tokens, max_length, end,
+                                                cache, bar))
+                pace = time.perf_counter() - t
     finally:
         cache.close()
     out, cut_short = [], 0
     refusals = [r.reason for r in results.values() if r.stop == "server_rejected" and r.reason]
+    over_budget = sum(conv.conv_id not in results for conv in conversations)
+    if over_budget:
+        dropped["over_budget"] += over_budget
     for conv in conversations:
-        res = results[conv.conv_id]
+        res = results.get(conv.conv_id)
+        if res is None:
+            continue
         cut_short += bool(res.responses) and res.stop == "server_rejected"
         if not res.responses:
             dropped["nothing_to_learn" if res.stop in (None, "max_length") else res.stop] += 1
@@ -335,4 +356,6 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
             "temperature": temperature, "seed": seed if temperature else None, "cache": str(cache_file),
             "from_cache": from_cache, "conversations": len(out), "truncated_by_server": cut_short,
             "server_refusal": refusals[0] if refusals else None}
+    if budget_s > 0:
+        info.update(budget_s=budget_s, over_budget=over_budget, seconds=round(time.perf_counter() - start, 1))
     return out, info
