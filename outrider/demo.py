@@ -57,12 +57,12 @@ SIZES = {
     "quick": DemoSize(first=160, later=0, single=0, regen_tokens=96, max_length=384, bench_prompts=6,
                       bench_tokens=48, k=5),
     # one H100 or H200: every first exchange of the training split (about 10,800), then later user
-    # turns each alone (one generation per new reply, no reply learnt twice) for as long as 7
-    # minutes of regeneration last; 7 minutes of training; the 30 held-out prompts; about 20
+    # turns each alone (one generation per new reply, no reply learnt twice) for as long as 6
+    # minutes of regeneration last; 6 minutes of training; the 30 held-out prompts; about 17
     # minutes in all. Sized from the GPU runs in benchmarks/RESULTS.md ("The GPU demo": acceptance
     # against regenerated exchanges and minutes of training).
     "full": DemoSize(first=11000, later=0, single=40000, regen_tokens=256, max_length=1024, bench_prompts=30,
-                     bench_tokens=128, k=5, train_budget_s=420.0, regen_budget_s=420.0, regen_batch=256),
+                     bench_tokens=128, k=5, train_budget_s=360.0, regen_budget_s=360.0, regen_batch=256),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
