@@ -47,7 +47,7 @@ from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.interop.drafts import DRAFTS
 from outrider.interop.formats import FORMATS
-from outrider.signals import Interrupted, Signals
+from outrider.signals import Interrupted, Signals, exit_process
 from outrider.train.loop.resume import NAMES as RESUME_NAMES
 
 JSON_HELP = "write the result as JSON to the file F ('-': print it to standard output instead of the table)"
@@ -592,8 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    sys.exit(main())
+def entry(argv: list[str] | None = None) -> None:
+    exit_process(main(argv))
 
 
 if __name__ == "__main__":

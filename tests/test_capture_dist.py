@@ -196,8 +196,8 @@ def slow(path, data):
     write(path, data)
     time.sleep(0.4)
 cache._write_file = slow
-from outrider.cli import main
-sys.exit(main(sys.argv[1:]))
+from outrider.cli import entry
+entry(sys.argv[1:])
 """
 
 
@@ -240,8 +240,8 @@ def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
     write(path, data)
 cache._write_file = full
-from outrider.cli import main
-sys.exit(main(sys.argv[1:]))
+from outrider.cli import entry
+entry(sys.argv[1:])
 """
 
 
@@ -270,8 +270,8 @@ def test_ranks_started_with_different_commands_are_refused(world, tmp_path):
     other = ["--dtype", "bf16", "--aux-layers", "0,2,3"]
     out = tmp_path / "cache"
     argv = _argv(world, "llama", out)
-    code = ("import os, sys\nfrom outrider.cli import main\n"
-            f"sys.exit(main(sys.argv[1:] + ({other!r} if os.environ['RANK'] == '1' else [])))\n")
+    code = ("import os, sys\nfrom outrider.cli import entry\n"
+            f"entry(sys.argv[1:] + ({other!r} if os.environ['RANK'] == '1' else []))\n")
     res = _torchrun(2, argv, code, tmp_path / "logs")
     line = _one_line(_rank_logs(tmp_path / "logs", 2), "rank 1 of 2 was started with another command", res)
     assert "(aux_layer_ids, dtype differ)" in line and not out.exists()
