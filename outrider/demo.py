@@ -62,7 +62,7 @@ SIZES = {
     # minutes in all. Sized from the GPU runs in benchmarks/RESULTS.md ("The GPU demo": acceptance
     # against regenerated exchanges and minutes of training).
     "full": DemoSize(first=11000, later=0, single=40000, regen_tokens=256, max_length=1024, bench_prompts=30,
-                     bench_tokens=128, k=5, train_budget_s=360.0, regen_budget_s=360.0, regen_batch=256),
+                     bench_tokens=128, k=5, train_budget_s=300.0, regen_budget_s=300.0, regen_batch=128),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
