@@ -3,6 +3,8 @@ explanation, which states the measured cost ratios and the planner's GPU predict
 
 import json
 
+import pytest
+
 from outrider import sharegpt
 from outrider.demo import ar_record, choose_k, cpu_explanation
 
@@ -97,3 +99,16 @@ def test_the_summary_shows_each_rows_lossless_verdict(tmp_path):
     assert rows[1].endswith("| reference |") and rows[2].endswith("| NO |") and rows[3].endswith("| ties 3 |")
     assert "lossless, ngram k = 2: NO: prompt 2, token 9, margin 6.5" in text
     assert "lossless, eagle3 k = 2: equal up to 3 near-ties (largest margin 0.125, bound 1)" in text
+
+
+def test_every_demo_preset_is_offered_and_trains_with_a_known_preset():
+    from outrider.cli import build_parser
+    from outrider.config import PRESETS
+    from outrider.demo import SIZES
+
+    for name in SIZES:
+        assert build_parser().parse_args(["demo", "--preset", name]).preset == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--preset", "huge"])
+    assert all(size.train_preset in PRESETS for size in SIZES.values())
+    assert SIZES["full"].regen_budget_s == 0 and SIZES["short"].regen_budget_s > 0  # full: every exchange asked
