@@ -18,6 +18,8 @@ independently at EOS or ``max_new_tokens``. Faster strategies (``strategies``: p
 a draft pipelined behind verification, whole rounds on the device) wrap the same pieces and emit
 exactly what ``step`` emits; the engine picks one per call. ``graphs=True`` (CUDA) replays each
 target forward width as a CUDA graph; ``compile=True`` fuses the target step with ``torch.compile``.
+Either way the target's cache and graphs are kept for reuse, for the ``POOLED_SHAPES`` batch sizes
+used last (a run of many batch sizes, as regeneration's last batch of each chunk, holds no more).
 
 Not done here: continuous batching (requests join only at prefill), prompt caching, device
 rounds for trees (a tree round is the reference step, or pipelined).
@@ -41,6 +43,8 @@ from outrider.decode.state import GenerationResult, RequestState
 from outrider.decode.strategies import choose
 from outrider.decode.strategies.rounds import DeviceRounds
 from outrider.errors import UserError, require
+
+POOLED_SHAPES = 4  # graphs or compile: target caches (each its KV slots and graphs) kept for this many batch sizes
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
@@ -212,13 +216,18 @@ class SpecEngine:
         if not (self.graphs or self.compile):
             return CachedLM(self.target, B, max_len, aux_layer_ids=aux_ids, read_len=self.read_len)
         key = (B, tuple(aux_ids or ()))
-        lm = self._pool.get(key)
+        lm = self._pool.pop(key, None)
         if lm is None or lm.cache.max_len < max_len:
             if lm is not None:
                 lm.close()
             lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=self.graphs,
                           compile=self.compile, attention=self.attention)
-            self._pool[key] = lm
+        while len(self._pool) >= POOLED_SHAPES:  # the least recently used goes, with the rounds built on it
+            old_key = next(iter(self._pool))
+            self._pool.pop(old_key).close()
+            for rounds_key in [r for r in self.rounds_pool if r[0] == old_key[0]]:
+                del self.rounds_pool[rounds_key]
+        self._pool[key] = lm  # the most recently used last
         lm.reset()
         return lm
 
