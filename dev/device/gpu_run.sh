@@ -101,7 +101,7 @@ walk_on() {  # walk_on DATA HEAD TAG: the trainer's walked tau against the engin
 part_walk() { walk_on $CMP/demo/data $CMP/eagle3/head ""; }  # compare's EAGLE-3 head
 part_demowalk() { walk_on $DEMO/data $DEMO/head -demo; }  # the demo's head
 part_regen() {  # the data stage's regeneration rate by batch size
-  stage regen python3 benchmarks/regen_rate.py --batches 128,256,512 --prompts 1024 --out $RES/regen_rate.json
+  stage regen python3 benchmarks/regen_rate.py --batches 128,256 --prompts 2048 --out $RES/regen_rate.json
 }
 part_shape() {
   stage shape python3 benchmarks/shape_change.py --json $RES/shape_change.json
