@@ -20,6 +20,7 @@ import time
 import torch
 
 from outrider import assets, sharegpt
+from outrider.cliargs import POSITIVE, int_list
 from outrider.decode.engine import eos_token_ids
 from outrider.demo import SIZES, engine_generate_fn
 from outrider.errors import UserError
@@ -28,27 +29,14 @@ from outrider.models import load_model
 from outrider.train.data.template import encode, render
 
 
-def positive_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise UserError(f"--batches takes positive integers separated by commas, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="128,256,512")
-    ap.add_argument("--prompts", type=int, default=1024)
-    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--batches", type=int_list(1, what="batch sizes"), default=[128, 256, 512])
+    ap.add_argument("--prompts", type=POSITIVE, default=1024)
+    ap.add_argument("--max-new", type=POSITIVE, default=256)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     try:
-        batches = positive_list(a.batches)
-        if a.prompts < 1 or a.max_new < 1:
-            raise UserError("--prompts and --max-new must be >= 1")
         size = SIZES["full"]
         assets.pull(progress=False)
         model, tok = load_model("default")
@@ -62,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(ids) < size.max_length:
                 prompts.append(ids)
         rows = []
-        for b in batches:
+        for b in a.batches:
             fn = engine_generate_fn(model, eos_token_ids(model, tok), batch_size=b, graphs=cuda)
             fn(sorted(prompts, key=len)[:b], a.max_new)  # warm-up: graphs captured, kernels chosen
             if cuda:
