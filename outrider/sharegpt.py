@@ -243,7 +243,6 @@ def training_exchanges(corpus: ShareGPT, first: int, later: int = 0, single: int
     exchanges keep that small, and a single costs one generation for one new reply where a later
     exchange costs two (its first reply is the first exchange's, regenerated again)."""
     held = held_out_filter(corpus)
-    held_openings = _openings(corpus, held_out=True)
     firsts, singles, laters = [], [], []
     for conv in corpus.conversations:
         turns = conv.get("conversations") or []
@@ -262,10 +261,12 @@ def training_exchanges(corpus: ShareGPT, first: int, later: int = 0, single: int
                 laters.append({"id": f"{conv['id']}#p", "conversations": turns[i:i + 2]})
     if single:
         taken = {m for ex in firsts for m in prompt_marks(ex["conversations"][0].get("value") or "")}
-        taken |= held_openings
+        taken |= _openings(corpus, held_out=True)
         for conv in corpus.conversations:
+            if len(singles) >= single:
+                break
             turns = conv.get("conversations") or []
-            if held(conv) or len(singles) >= single:
+            if held(conv):
                 continue
             for i in range(1, len(turns) - 1):
                 ask, reply = turns[i], turns[i + 1]
