@@ -347,6 +347,8 @@ def test_pooled_target_caches_are_bounded_least_recently_used_first(tiny_models,
     """Graph or compile mode keeps a target cache per batch size for reuse: at most POOLED_SHAPES,
     the least recently used closed (and the device rounds built on it dropped), so that a run
     through many batch sizes (regeneration's last batch of each chunk) does not fill the GPU."""
+    from types import SimpleNamespace
+
     import outrider.decode.engine as engine_module
 
     made, closed = [], []
@@ -365,12 +367,13 @@ def test_pooled_target_caches_are_bounded_least_recently_used_first(tiny_models,
     monkeypatch.setattr(engine_module, "CachedLM", Cache)
     monkeypatch.setattr(engine_module, "POOLED_SHAPES", 2)
     engine = SpecEngine(tiny_models("llama"), None, compile=True)
-    engine.rounds_pool[(1, 3)] = engine.rounds_pool[(2, 3)] = object()
     first = engine._target_lm(1, 100, None)
     assert engine._target_lm(1, 50, None) is first and made == [1]  # reused: it is long enough
-    engine._target_lm(2, 100, None)
+    second = engine._target_lm(2, 100, None)
+    engine.rounds_pool[(1, 3)] = SimpleNamespace(target=first)  # device rounds hold the cache they run on
+    engine.rounds_pool[(2, 3)] = SimpleNamespace(target=second)
     engine._target_lm(1, 100, None)  # batch 1 used last: batch 2 is now the oldest
     engine._target_lm(3, 100, None)
     assert closed == [2] and sorted(b for b, _ in engine._pool) == [1, 3] and list(engine.rounds_pool) == [(1, 3)]
     engine._target_lm(1, 2000, None)  # too short for this prompt: replaced, not kept beside the new one
-    assert closed == [2, 1] and made == [1, 2, 3, 1] and len(engine._pool) == 2
+    assert closed == [2, 1] and made == [1, 2, 3, 1] and len(engine._pool) == 2 and not engine.rounds_pool

@@ -219,17 +219,20 @@ class SpecEngine:
         lm = self._pool.pop(key, None)
         if lm is None or lm.cache.max_len < max_len:
             if lm is not None:
-                lm.close()
+                self._drop(lm)
             lm = CachedLM(self.target, B, -(-max_len // 512) * 512, aux_layer_ids=aux_ids, graphs=self.graphs,
                           compile=self.compile, attention=self.attention)
-        while len(self._pool) >= POOLED_SHAPES:  # the least recently used goes, with the rounds built on it
-            old_key = next(iter(self._pool))
-            self._pool.pop(old_key).close()
-            for rounds_key in [r for r in self.rounds_pool if r[0] == old_key[0]]:
-                del self.rounds_pool[rounds_key]
+        while len(self._pool) >= POOLED_SHAPES:  # the least recently used goes
+            self._drop(self._pool.pop(next(iter(self._pool))))
         self._pool[key] = lm  # the most recently used last
         lm.reset()
         return lm
+
+    def _drop(self, lm: CachedLM) -> None:
+        """Close a target cache the pool lets go, and forget the device rounds built on it (they hold it)."""
+        lm.close()
+        for rounds_key in [r for r, runner in self.rounds_pool.items() if runner.target is lm]:
+            del self.rounds_pool[rounds_key]
 
     def _decode_slots(self, B: int, k: int, max_new: int) -> int:
         """Cache slots a request's decoding may take after its prompt. A step takes k+1 slots (its
