@@ -63,12 +63,13 @@ SIZES = {
     "short": DemoSize(first=11000, later=0, single=40000, regen_tokens=256, max_length=1024, bench_prompts=30,
                       bench_tokens=128, k=5, train_preset="full", train_budget_s=300.0, regen_budget_s=300.0,
                       regen_batch=128),
-    # one H100 or H200: every first exchange of the training split (about 10,800) and 9,000 later
-    # ones (about 28,000 replies regenerated), the full training preset's 8 minutes, the 30 held-out
-    # prompts; about 17-19 minutes on one H100. Sized from the GPU runs in benchmarks/RESULTS.md
-    # ("The GPU demo": acceptance against regenerated exchanges and minutes of training).
-    "full": DemoSize(first=11000, later=9000, single=0, regen_tokens=256, max_length=1024, bench_prompts=30,
-                     bench_tokens=128, k=5, train_preset="full", regen_batch=128),
+    # one H100 or H200 in about 20 minutes: every first exchange of the training split (about
+    # 10,800), then later user turns each alone while 5.5 minutes of regeneration at 256 replies a
+    # batch last; 10 minutes of training; the 30 held-out prompts. Sized from the GPU runs in
+    # benchmarks/RESULTS.md ("The GPU demo ...": acceptance against exchanges and minutes of training).
+    "full": DemoSize(first=11000, later=0, single=60000, regen_tokens=256, max_length=1024, bench_prompts=30,
+                     bench_tokens=128, k=5, train_preset="full", train_budget_s=600.0, regen_budget_s=330.0,
+                     regen_batch=256),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 

@@ -8,7 +8,8 @@
 # (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
 # EAGLE-3 head: eval-split against held-out prompts; split_check on its data), demowalk (the same on
-# the demo's head and data), regen (regen_rate: the data stage's replies per second). Each part writes its results into $RES and a `PART.done` marker before the next
+# the demo's head and data), regen (regen_rate: the data stage's replies per second), demotrees (the demo's head: chain and two trees
+# in one process). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
 #   gpu_run.sh wait S             wait up to S seconds (a device call lasts 10 minutes at most and an
@@ -50,6 +51,10 @@ part_trees() {  # the demo's head at batch 1: chains k = 3..7 and EAGLE-2 trees 
   done
   stage tree-plan outrider plan default --hardware h200 --calibrate $RES/trees-chain-k5.json \
       --acceptance $RES/trees-tree-4-4-16.json --json $RES/trees-plan.json
+}
+part_demotrees() {  # the demo's head in one process: the chain of k = 5 and trees (4,3,16), (4,4,16) at batch 1
+  stage demotrees python3 benchmarks/drafters_bench.py --out $RES/demotrees --num-prompts 30 --max-new-tokens 128 \
+      --run eagle3:$DEMO/head:k=5 --run eagle3:$DEMO/head:tree=4,3,16 --run eagle3:$DEMO/head:tree=4,4,16
 }
 part_bench() {
   stage typed outrider bench default --method eagle3 --draft $DEMO/head --k 5 --num-prompts 30 \
