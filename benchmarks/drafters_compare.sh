@@ -9,7 +9,8 @@
 # preset on a CPU, full on CUDA) when missing. STEPS (default: the preset's) sets the optimizer
 # steps of all three. DFlash trains blocks of K + 1 (K drafts per forward, as the others' K
 # unrolled steps) with dflash_layers DFLASH_LAYERS (default 1); DFLASH_INIT=1 starts its lm_head and
-# final norm from the target's (init_from_target). Default K: 3 on a CPU (the quick
+# final norm from the target's (init_from_target), DFLASH_FREEZE=1 as well and keeps that lm_head
+# frozen (freeze_lm_head, as DFlash's reference trainers do). Default K: 3 on a CPU (the quick
 # preset's unroll), 5 on CUDA. TREES (e.g. "4,3,16 4,4,16") also benches the EAGLE-3 head's
 # EAGLE-2 trees at batch 1. PROMPTS and TOKENS: held-out prompts and new tokens each (32 x 128 on
 # CUDA, 16 x 48 on a CPU). The benches run in one process (benchmarks/drafters_bench.py).
@@ -29,22 +30,24 @@ if [ "$cuda" = 1 ]; then prompts=${PROMPTS:-32}; tokens=${TOKENS:-128}; else pro
   date -u +%Y-%m-%dT%H:%M:%SZ
   git rev-parse HEAD 2>/dev/null || echo "no git"
   python -c 'import torch, platform; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu", "torch", torch.__version__)'
-  echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} prompts=$prompts max_new_tokens=$tokens"
+  echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} dflash_freeze=${DFLASH_FREEZE:-0} prompts=$prompts max_new_tokens=$tokens"
 } > "$out/env.txt"
 
 [ -f "$out/demo/data/manifest.json" ] || python -c 'import sys; from outrider.demo import demo_data; demo_data(sys.argv[1])' "$out/demo"
-steps=$(python - "$k" "$layers" "$out" "${STEPS:-0}" "${DFLASH_INIT:-0}" <<'EOF'
+steps=$(python - "$k" "$layers" "$out" "${STEPS:-0}" "${DFLASH_INIT:-0}" "${DFLASH_FREEZE:-0}" <<'EOF'
 import json, sys
 from outrider.config import TrainConfig
 import torch
-k, layers, out, steps, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+k, layers, out, steps, init, freeze = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
+                                        sys.argv[5] == "1" or sys.argv[6] == "1", sys.argv[6] == "1")
 base = TrainConfig.preset("full" if torch.cuda.is_available() else "quick")
 if steps:
     base = base.replace(steps=steps, warmup_steps=min(base.warmup_steps, steps // 10))
 common = {"time_budget_s": 0, "ttt_steps": k, "tau_k": k, "steps": base.steps, "warmup_steps": base.warmup_steps}
 json.dump(common, open(f"{out}/eagle3.json", "w"))
 json.dump(common, open(f"{out}/parallel.json", "w"))
-json.dump({**common, "block_size": k + 1, "dflash_layers": layers, **({"init_from_target": True} if init else {})},
+json.dump({**common, "block_size": k + 1, "dflash_layers": layers, **({"init_from_target": True} if init else {}),
+           **({"freeze_lm_head": True} if freeze else {})},
           open(f"{out}/dflash.json", "w"))
 print(base.steps)
 EOF

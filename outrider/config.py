@@ -65,6 +65,7 @@ class TrainConfig:
     save_every: int = 100  # optimizer steps between checkpoints of the full state (and at the end)
     log_every: int = 1  # optimizer steps between lines of metrics.jsonl
     init_from_target: bool = False  # start lm_head (draft rows) and the final norm from the target's
+    freeze_lm_head: bool = False  # keep lm_head at the target's rows (needs init_from_target), as DFlash's references do
     init_layer_from_target: bool = False  # start the draft layer from the target's last decoder layer (and fc
     # passing the last aux state through); needs the head's layer shapes to be the target's
     seed: int = 0  # head initialisation and data order
@@ -167,6 +168,10 @@ class TrainConfig:
                                                       and self.loss_decay_gamma > 0):
             raise UserError(f"training setting 'loss_decay_gamma' must be a positive number or null, "
                             f"got {self.loss_decay_gamma!r}")
+        if not isinstance(self.freeze_lm_head, bool):
+            raise UserError(f"training setting 'freeze_lm_head' must be true or false, got {self.freeze_lm_head!r}")
+        if self.freeze_lm_head and not self.init_from_target:
+            raise UserError("training setting 'freeze_lm_head' keeps the target's lm_head rows: set init_from_target too")
         if self.drafter == "dflash" and self.parallel_drafting:
             raise UserError("a DFlash drafter drafts its block in one forward already: drop parallel_drafting")
         if self.eval_examples is not None and self.eval_examples < 1:

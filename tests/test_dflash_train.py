@@ -103,3 +103,31 @@ def test_dflash_reads_any_number_of_aux_layers_and_refuses_an_init(env, capsys):
     assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(env["root"] / "init"),
                      "--init", str(out / "head"), "--quiet", "--device", "cpu"]) == 2
     assert "is a DFlash drafter" in capsys.readouterr().err
+
+
+def test_a_frozen_lm_head_stays_the_targets_rows(env, capsys):
+    """``freeze_lm_head`` (with ``init_from_target``): the drafter's lm_head is the target's rows of the
+    draft vocabulary after training, where the same run unfrozen moves them; without the start, refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(env["target"], dtype=torch.float32)
+    heads = {}
+    for frozen in (True, False):
+        cfg = env["root"] / f"init-{frozen}.json"
+        cfg.write_text(json.dumps({**DFLASH, "init_from_target": True, "freeze_lm_head": frozen}))
+        out = env["root"] / f"frozen-{frozen}"
+        rc = cli_main(["train", env["target"], "--data", env["data"], "--out", str(out), "--config", str(cfg),
+                       "--drafter", "dflash", "--quiet", "--device", "cpu", "--max-steps", "2"])
+        assert rc in (0, None), capsys.readouterr().err
+        heads[frozen] = load_head(out / "head", env["target"])[0]
+    drafter = heads[True]
+    ids = torch.arange(drafter.d2t.numel()) + drafter.d2t  # [draft_vocab] target ids
+    rows = target.get_output_embeddings().weight[ids]  # [draft_vocab, H]
+    assert torch.equal(drafter.lm_head.weight.float(), rows)
+    assert not torch.equal(heads[False].lm_head.weight.float(), rows)
+    bad = env["root"] / "bad.json"
+    bad.write_text(json.dumps({**DFLASH, "freeze_lm_head": True}))
+    assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(env["root"] / "bad"),
+                     "--config", str(bad), "--drafter", "dflash", "--quiet", "--device", "cpu"]) == 2
+    assert "set init_from_target too" in capsys.readouterr().err

@@ -241,11 +241,11 @@ class _Trainer:
 
     def _build_optimizer(self) -> None:
         env, cfg = self.env, self.config
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.head.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: the target's rows stay as they are
+        self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           lambda s: lr_factor(s, cfg, self._budget_used()))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg, self._budget_used()))
         self.weights = cfg.step_weights()
         self.autocast = env.device.type == "cuda" and cfg.amp
         self.fused = cfg.loss_kernel if env.device.type == "cuda" and cfg.compile else False
