@@ -557,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("demo", help="the whole pipeline on the embedded default")
-    sp.add_argument("--preset", default=None, choices=["quick", "short", "full"])
+    sp.add_argument("--preset", default=None, choices=["quick", "short", "full", "long"])
     sp.add_argument("--out", default="outrider-demo", help="the demo folder: new, empty, or an earlier demo's "
                     "(finished stages are reused)")
     sp.add_argument("--force", action="store_true", help="delete the earlier demo in --out and start over")

@@ -63,11 +63,15 @@ SIZES = {
     "short": DemoSize(first=11000, later=0, single=40000, regen_tokens=256, max_length=1024, bench_prompts=30,
                       bench_tokens=128, k=5, train_preset="full", train_budget_s=300.0, regen_budget_s=300.0,
                       regen_batch=128),
-    # one H100 or H200 in about 20 minutes: every first exchange of the training split (about
-    # 10,800), then later user turns each alone while 5.5 minutes of regeneration at 256 replies a
-    # batch last; 10 minutes of training; the 30 held-out prompts. Sized from the GPU runs in
-    # benchmarks/RESULTS.md ("The GPU demo ...": acceptance against exchanges and minutes of training).
-    "full": DemoSize(first=11000, later=0, single=60000, regen_tokens=256, max_length=1024, bench_prompts=30,
+    # one H100 or H200: every first exchange of the training split (about 10,800) and 9,000 later
+    # ones (about 28,000 replies regenerated), the full training preset's 8 minutes, the 30 held-out
+    # prompts; about 17-19 minutes on one H100. Sized from the GPU runs in benchmarks/RESULTS.md
+    # ("The GPU demo": acceptance against regenerated exchanges and minutes of training).
+    "full": DemoSize(first=11000, later=9000, single=0, regen_tokens=256, max_length=1024, bench_prompts=30,
+                     bench_tokens=128, k=5, train_preset="full", regen_batch=128),
+    # one H100 or H200 in about 22 minutes: every first exchange, then later user turns each alone
+    # while 5.5 minutes of regeneration at 256 replies a batch last; 10 minutes of training
+    "long": DemoSize(first=11000, later=0, single=60000, regen_tokens=256, max_length=1024, bench_prompts=30,
                      bench_tokens=128, k=5, train_preset="full", train_budget_s=600.0, regen_budget_s=330.0,
                      regen_batch=256),
 }
@@ -147,12 +151,21 @@ def demo(preset: str | None = None, out: str = "outrider-demo", console=None) ->
 
     t = stage("4/5 bench: autoregressive vs n-gram vs EAGLE-3 on held-out prompts")
     common = dict(num_prompts=size.bench_prompts, max_new_tokens=size.bench_tokens, loaded=(model, tokenizer))
-    records = [bench("default", "ngram", k=3, **common)]
-    eagle = bench("default", "eagle3", draft=str(head_dir), k=size.k, **common)
+    measured: list[dict[str, Any]] = []
+
+    def measure(method: str, **kwargs) -> dict[str, Any]:  # each record kept as it comes: a cut run keeps them
+        record = bench("default", method, **kwargs, **common)
+        measured.append(record)
+        write_records(root / "bench.json", [ar_record(measured[0]), *measured])
+        console.print(f"{method} k = {record['k']}: tau {record['tau']:.2f}, {record['speedup_vs_ar']:.2f}x end to end")
+        return record
+
+    records = [measure("ngram", k=3)]
+    eagle = measure("eagle3", draft=str(head_dir), k=size.k)
     best_k = choose_k(eagle)
     if best_k != size.k:
         console.print(f"the measured costs and acceptance favour k = {best_k}: benching it too")
-        other = bench("default", "eagle3", draft=str(head_dir), k=best_k, **common)
+        other = measure("eagle3", draft=str(head_dir), k=best_k)
         eagle = max((eagle, other), key=lambda r: r["speedup_vs_ar"])
     records.append(eagle)
     records.insert(0, ar_record(records[0]))
@@ -224,15 +237,15 @@ def demo_data(out: str, preset: str | None = None) -> Path:
 def choose_k(record: dict[str, Any], ks: Sequence[int] = K_RANGE) -> int:
     """The chain length that the measured record predicts fastest in decode.
 
-    A round yields ``tau(k) = 1 + sum_j prod_{i<=j} a_i`` tokens (the per-position acceptance
-    ``a_i`` measured at the record's k, the last rate repeated beyond it) and costs one verification
+    A round yields ``tau(k) = 1 + sum_j prod_{i<=j} a_i`` tokens (``a_i`` the conditional
+    acceptance of draft i, from the record's per-position rates and tau; the last repeated beyond it) and costs one verification
     (measured; on a GPU its cost barely moves with a few more positions, so it is taken as is) plus
     k draft steps (the measured drafting per step, scaled by k)."""
     rates = record.get("accept_rate_per_pos") or []
     k0 = int(record["k"])
     if not rates or not record.get("verify_step_ms") or not record.get("draft_step_ms"):
         return k0
-    acceptance = Acceptance.from_rates(rates)
+    acceptance = Acceptance.from_record(record)  # bench's rates are P(draft i accepted): made conditional
     draft_per_token = record["draft_step_ms"] / k0
 
     def speed(k: int) -> float:

@@ -35,7 +35,7 @@ part_smoke() {  # not in the default chain: a minute that shows the staged machi
   stage smoke outrider bench default --method ngram --k 3 --num-prompts 2 --max-new-tokens 16 --json $RES/smoke.json
 }
 part_demo() {
-  stage demo outrider demo --out $DEMO
+  stage demo outrider demo --out $DEMO ${DEMO_PRESET:+--preset $DEMO_PRESET}  # DEMO_PRESET: default full
   cp $DEMO/summary.md $DEMO/bench.json $RES/ 2>/dev/null
   xz -c $DEMO/train/metrics.jsonl > $RES/demo-train-metrics.jsonl.xz 2>/dev/null
   cp $DEMO/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
