@@ -38,6 +38,7 @@ from outrider.fsutil import atomic_write_json, read_json
 
 PRESET_NAMES = ("quick", "full")
 DRAFTERS = ("eagle3", "dflash")
+DFLASH_LABELS = ("tokens", "target")  # what a DFlash draft learns: the sequence's token, or the target's distribution
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class TrainConfig:
     dflash_layers: int = 1  # dflash: the drafter's decoder layers
     loss_decay_gamma: float | None = None  # dflash: draft i weighs exp(-i/gamma); None: the paper's for the block
     num_anchors: int = 512  # dflash: blocks per sequence per training step (evaluation: every position)
+    dflash_labels: str = "tokens"  # dflash: learn the sequence's tokens (the method's) or the "target"'s distribution
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -172,6 +174,9 @@ class TrainConfig:
             raise UserError(f"training setting 'freeze_lm_head' must be true or false, got {self.freeze_lm_head!r}")
         if self.freeze_lm_head and not self.init_from_target:
             raise UserError("training setting 'freeze_lm_head' keeps the target's lm_head rows: set init_from_target too")
+        if self.dflash_labels not in DFLASH_LABELS:
+            raise UserError(f"training setting 'dflash_labels' must be one of {', '.join(DFLASH_LABELS)}, "
+                            f"got {self.dflash_labels!r}")
         if self.drafter == "dflash" and self.parallel_drafting:
             raise UserError("a DFlash drafter drafts its block in one forward already: drop parallel_drafting")
         if self.eval_examples is not None and self.eval_examples < 1:

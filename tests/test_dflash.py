@@ -349,3 +349,31 @@ def test_engine_layout_drafters_that_compute_otherwise_are_refused(tiny_dir, tmp
             assert "\n" not in str(e.value)
         (path / "config.json").write_text(json.dumps(raw))
         assert read_dflash(path, target.config).config == drafter.config
+
+
+def test_soft_labels_learn_the_targets_distribution(tiny_models):
+    """``labels="target"``: each draft's cross-entropy is against the teacher's softmax at its position.
+    A teacher that is a near-delta on the sequence's next tokens gives the hard-label loss; a teacher
+    that spreads its mass gives another loss; an unknown kind is refused."""
+    from outrider.train.loop.dflash_loss import dflash_loss
+
+    model = tiny_models("llama")
+    drafter = random_drafter(model, block_size=4)
+    V = drafter.config.draft_vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = drafter.map_to_target(torch.randint(0, V, (2, 12), generator=g))  # [2, 12] target ids the draft vocab holds
+    aux = torch.randn(2, 12, drafter.fc.in_features, generator=g)
+    mask = torch.ones_like(ids)
+    delta = torch.full((2, 12, V), -1e4)  # teacher[t] predicts x_{t+1}
+    draft_ids = {int(t): d for d, t in enumerate(drafter.map_to_target(torch.arange(V)).tolist())}
+    for b in range(2):
+        for t in range(11):
+            delta[b, t, draft_ids[int(ids[b, t + 1])]] = 0.0
+    args = (drafter, model.get_input_embeddings(), aux, ids, mask)
+    hard = dflash_loss(*args, delta, None, [1.0, 0.8, 0.6], labels="tokens")
+    soft = dflash_loss(*args, delta, None, [1.0, 0.8, 0.6], labels="target")
+    assert torch.allclose(hard.per_step_loss, soft.per_step_loss, atol=1e-5) and hard.n_tokens == soft.n_tokens > 0
+    spread = dflash_loss(*args, torch.randn(2, 12, V, generator=g), None, [1.0, 0.8, 0.6], labels="target")
+    assert not torch.allclose(spread.per_step_loss, hard.per_step_loss, atol=1e-3)
+    with pytest.raises(ValueError, match="labels must be one of"):
+        dflash_loss(*args, delta, None, [1.0, 0.8, 0.6], labels="soft")

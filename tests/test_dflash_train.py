@@ -131,3 +131,12 @@ def test_a_frozen_lm_head_stays_the_targets_rows(env, capsys):
     assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(env["root"] / "bad"),
                      "--config", str(bad), "--drafter", "dflash", "--quiet", "--device", "cpu"]) == 2
     assert "set init_from_target too" in capsys.readouterr().err
+
+
+def test_dflash_labels_are_tokens_or_the_target():
+    from outrider.config import TrainConfig
+    from outrider.errors import UserError
+
+    assert TrainConfig(drafter="dflash", dflash_labels="target").dflash_labels == "target"
+    with pytest.raises(UserError, match="'dflash_labels' must be one of tokens, target"):
+        TrainConfig(drafter="dflash", dflash_labels="soft")

@@ -15,9 +15,11 @@ position sets (``ttt.counted_positions``), metrics and ``walked_accept_len`` app
   their own block; blocks never see each other. Blocks run ``chunk`` anchors at a time (one dense
   SDPA over [context | the chunk's blocks] per layer).
 - Loss: the method's (DFlash, arXiv 2602.06036): cross-entropy of the drafter's distribution
-  against the sequence's token ``x_{t+2+i}`` (hard labels; a label outside the draft vocabulary
-  cannot be drafted and adds no loss), weighted ``exp(-i / gamma)`` by the caller's ``weights``
-  (``decay_weights``), summed or averaged per step as ``ttt_loss`` does.
+  against the sequence's token ``x_{t+2+i}`` (``labels="tokens"``: hard labels; a label outside the
+  draft vocabulary cannot be drafted and adds no loss), or with ``labels="target"`` against
+  ``softmax(teacher[t+1+i])``, the target's own distribution there (soft labels, as EAGLE-3 trains);
+  weighted ``exp(-i / gamma)`` by the caller's ``weights`` (``decay_weights``), summed or averaged
+  per step as ``ttt_loss`` does.
 - Metrics: as ``ttt``: ``per_step_acc[i]`` is agreement of the drafter's argmax with the
   teacher's argmax over the draft vocabulary, ``agree`` the per-position map.
 
@@ -31,9 +33,10 @@ from typing import Callable, Sequence
 import torch
 from torch.nn import functional as F
 
+from outrider.config import DFLASH_LABELS
 from outrider.heads.dflash import DFlashDrafter
 from outrider.train.data.vocab import draft_lookup
-from outrider.train.loop.ttt import TTTOutput, counted_positions, simulated_accept_len
+from outrider.train.loop.ttt import TTTOutput, counted_positions, simulated_accept_len, soft_cross_entropy
 from outrider.train.states.capture import real_positions
 
 CHUNK = 64  # anchors per dense attention call
@@ -76,7 +79,7 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
                 input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor | None, weights: Sequence[float],
                 reduction: str = "mean", index: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                agree_map: bool = False, chunk: int = CHUNK) -> TTTOutput:
+                agree_map: bool = False, chunk: int = CHUNK, labels: str = "tokens") -> TTTOutput:
     """The DFlash loss and metrics of one batch (module docstring).
 
     aux: [B, S, n_aux * H_t]; input_ids, loss_mask, attention_mask: [B, S]; teacher: [B, S, draft_vocab];
@@ -93,6 +96,8 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
         index = counted_positions(loss_mask, real, steps)
+    if labels not in DFLASH_LABELS:
+        raise ValueError(f"labels must be one of {DFLASH_LABELS}, got {labels!r}")
     if len(index) != steps:
         raise ValueError(f"{len(index)} position sets for {steps} draft positions (block_size {cfg.block_size})")
     w = list(weights)
@@ -128,10 +133,14 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
             rows, cols = sel.nonzero(as_tuple=True)  # possibly none: the loss stays a function of every weight
             tt = t[rows, cols]
             logits = drafter.compute_logits(h[rows, cols, i + 1]).float()  # [n, draft_vocab]
-            label = to_draft[input_ids[rows, tt + 2 + i]]  # [n]: x_{t+2+i} in draft ids, -1 outside
-            ce = F.cross_entropy(logits, label.clamp_min(0), reduction="none") * (label >= 0)
+            target = teacher[rows, tt + 1 + i]  # [n, draft_vocab]: the target's logits for x_{t+2+i}
+            if labels == "target":
+                ce = soft_cross_entropy(logits, target)[0]
+            else:
+                label = to_draft[input_ids[rows, tt + 2 + i]]  # [n]: x_{t+2+i} in draft ids, -1 outside
+                ce = F.cross_entropy(logits, label.clamp_min(0), reduction="none") * (label >= 0)
             ce_sum[i] = ce_sum[i] + ce.sum()
-            agree = logits.detach().argmax(-1) == teacher[rows, tt + 1 + i].argmax(-1)
+            agree = logits.detach().argmax(-1) == target.argmax(-1)
             correct[i] = correct[i] + agree.sum()
             if agree_map:
                 flags[i, rows, tt] = agree
@@ -147,14 +156,15 @@ class DFlashModule(torch.nn.Module):
     """``dflash_loss`` as a module whose ``forward`` a distributed wrapper can own (``ttt.TTTModule``'s
     calling convention, so the trainer drives both alike)."""
 
-    def __init__(self, drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Tensor], chunk: int = CHUNK):
+    def __init__(self, drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Tensor], chunk: int = CHUNK,
+                 labels: str = "tokens"):
         super().__init__()
         self.head = drafter
         self._embed = (embed,)  # not a submodule: the target's embedding is frozen and never saved
-        self.chunk = chunk
+        self.chunk, self.labels = chunk, labels
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher: torch.Tensor,
                 attention_mask: torch.Tensor, weights: Sequence[float],
                 index: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> TTTOutput:
         return dflash_loss(self.head, self._embed[0], aux, input_ids, loss_mask, teacher, attention_mask, weights,
-                           reduction="sum", index=index, chunk=self.chunk)
+                           reduction="sum", index=index, chunk=self.chunk, labels=self.labels)

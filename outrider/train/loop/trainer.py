@@ -392,7 +392,7 @@ class _Trainer:
         DFlash's blocks."""
         cfg, cuda = self.config, self.env.device.type == "cuda"
         if cfg.drafter == "dflash":
-            return DFlashModule(self.head, self.embedding)
+            return DFlashModule(self.head, self.embedding, labels=cfg.dflash_labels)
         return TTTModule(self.head, self.embedding, cfg.ttt_steps, weights=self.weights, reduction="sum",
                          fused=self.fused, compile_head=cuda and cfg.compile_head,
                          attention=cfg.ttt_attention if cuda else "dense")
@@ -517,7 +517,7 @@ class _Trainer:
                 if cfg.drafter == "dflash":
                     out = dflash_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask,
                                       captured.teacher, batch.attention_mask, self.weights, reduction="sum",
-                                      agree_map=True)
+                                      agree_map=True, labels=cfg.dflash_labels)
                 else:
                     out = ttt_loss(head, self.embedding, captured.aux, batch.input_ids, batch.loss_mask,
                                    captured.teacher, batch.attention_mask, steps=cfg.ttt_steps, weights=self.weights,
