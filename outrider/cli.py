@@ -142,7 +142,7 @@ def cmd_data(a: argparse.Namespace) -> int:
                                regenerate=a.regenerate, server=a.server, server_model=a.server_model,
                                concurrency=a.concurrency, max_new_tokens=a.max_new_tokens,
                                temperature=a.temperature, progress=not a.quiet, device_map=a.device_map,
-                               offload_folder=a.offload_folder)
+                               offload_folder=a.offload_folder, workers=0)
     print(report.summary() if hasattr(report, "summary") else report)
     return 0
 

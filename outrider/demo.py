@@ -203,7 +203,7 @@ def make_data(root: Path, size: DemoSize, model, eos: list[int]) -> bool:
     build_dataset("default", str(source), str(data_dir), max_length=size.max_length, regenerate=True,
                   max_new_tokens=size.regen_tokens, regen_budget_s=size.regen_budget_s,
                   generate_fn=engine_generate_fn(model, eos, batch_size=size.regen_batch, graphs=cuda),
-                  progress=True)
+                  progress=True, workers=0)
     return True
 
 

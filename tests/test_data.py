@@ -274,6 +274,44 @@ def test_build_roundtrip_all_formats(tmp_path, target, tok, fmt):
     assert report.truncated > 0  # max_length 24 cuts the long ones
 
 
+def test_tokenising_over_worker_processes_writes_what_one_process_writes(tmp_path, target):
+    """``build_dataset(workers=2)`` tokenises in two spawned processes, chunk by chunk: the same rows
+    in the same order, the same drops and counts as one process."""
+    convs = many_conversations(1100)
+    records = [openai_record(cid, turns) for cid, turns in convs]
+    records += [openai_record("again", convs[7][1]), openai_record("lonely", [("user", "w6")])]  # a duplicate, no reply
+    src = write_jsonl(tmp_path / "d.jsonl", records)
+    one = build_dataset(target, src, str(tmp_path / "one"), max_length=24, progress=False, workers=1)
+    two = build_dataset(target, src, str(tmp_path / "two"), max_length=24, progress=False, workers=2)
+    assert {**one.to_dict(), "out": ""} == {**two.to_dict(), "out": ""}
+    assert one.dropped["duplicate"] == 1 and one.dropped["no_assistant_turn"] == 1 and one.kept > 1000
+    for split in ("train", "eval"):
+        a, b = load_dataset(tmp_path / "one", split), load_dataset(tmp_path / "two", split)
+        assert a.conv_ids == b.conv_ids
+        assert all(torch.equal(*map(torch.as_tensor, pair)) for i in range(len(a)) for pair in zip(a[i], b[i]))
+
+
+def test_workers_that_cannot_start_leave_the_tokenising_to_the_caller(target):
+    """A script read from standard input cannot be re-imported by a spawned worker: the pool breaks,
+    and what is left is tokenised in the calling process, to the same result."""
+    import subprocess
+    import sys
+
+    script = f"""
+from outrider.models import load_tokenizer
+from outrider.train.data.template import tokenize_many
+tok = load_tokenizer({target!r})
+convs = [[{{"role": "user", "content": f"w{{5 + i % 80}} w7"}}, {{"role": "assistant", "content": "w9 w11"}}]
+         for i in range(1100)]
+seen = []
+out = tokenize_many(tok, convs, 24, [2], workers=2, advance=seen.append)
+print(out == tokenize_many(tok, convs, 24, [2], workers=1), sum(seen), len(out))
+"""
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "1100", "1100"]
+
+
 def test_split_is_a_function_of_the_seed(tmp_path, target):
     src = write_jsonl(tmp_path / "d.jsonl", [openai_record(c, t) for c, t in many_conversations(40)])
 

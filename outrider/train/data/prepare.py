@@ -44,6 +44,9 @@ Contract:
   not generated. Server-side refusals (HTTP 4xx) end that conversation at the refused turn.
   ``regen_budget_s`` > 0 regenerates conversations in chunks, in the source's order, while the
   budget lasts; the rest are dropped (``over_budget``).
+- ``workers``: processes that tokenise (``template.tokenize_many``; 1, the default: this one; 0:
+  one per CPU once there are thousands of conversations, as the CLI and the demo ask). The rows
+  are the same either way.
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
   shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split
   with its own; an example whose tokens were seen before is dropped).
@@ -66,14 +69,14 @@ import numpy as np
 from outrider.errors import UserError
 from outrider.models import load_tokenizer, resolve
 from outrider.progress import Bar
-from outrider.train.data.conversations import Dropped, load_source
+from outrider.train.data.conversations import load_source
 from outrider.train.data.datasets import FORMAT, VERSION, opening, write_dataset
 from outrider.train.data.regenerate import GenerateFn, pad_id, regenerate_conversations
 from outrider.train.data.template import (
     control_strings,
     end_token_ids,
     require_chat_template,
-    tokenize_conversation,
+    tokenize_many,
     vocab_identity,
     without_control_text,
 )
@@ -172,7 +175,7 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
                   progress: bool = True, generate_fn: GenerateFn | None = None, temperature: float = 0.0, *,
                   shard_rows: int = 8192, retries: int = 5, backoff: float = 1.0,
                   timeout: float = 300.0, device_map: str | dict | None = None,
-                  offload_folder: str | None = None, regen_budget_s: float = 0.0) -> DataReport:
+                  offload_folder: str | None = None, regen_budget_s: float = 0.0, workers: int = 1) -> DataReport:
     """Conversations -> a token dataset directory ``out`` (see the module docstring)."""
     _check_args(max_conversations, max_length, eval_fraction, concurrency, max_new_tokens)
     if server and not regenerate:
@@ -212,20 +215,20 @@ def build_dataset(target: str, dataset: str, out: str, max_conversations: int | 
     truncated = last_turn_only = 0
     seen: set[bytes] = set()
     with Bar(progress, "tokenising", len(conversations)) as bar:
-        for conv in conversations:
-            try:
-                tok = tokenize_conversation(tokenizer, conv.messages, max_length, end)
-                key = np.asarray(tok.input_ids, dtype=np.int64).tobytes()
-                if key in seen:
-                    raise Dropped("duplicate")
-                seen.add(key)
-            except Dropped as d:
-                dropped[d.reason] += 1
-            else:
-                rows.append((conv.conv_id, tok.input_ids, tok.loss_mask))
-                truncated += int(tok.truncated)
-                last_turn_only += int(tok.last_turn_only)
-            bar.advance()
+        done = tokenize_many(tokenizer, [conv.messages for conv in conversations], max_length, end,
+                             workers=workers, advance=bar.advance)
+    for conv, tok in zip(conversations, done):
+        if isinstance(tok, str):  # the reason it was dropped
+            dropped[tok] += 1
+            continue
+        key = np.asarray(tok.input_ids, dtype=np.int64).tobytes()
+        if key in seen:
+            dropped["duplicate"] += 1
+            continue
+        seen.add(key)
+        rows.append((conv.conv_id, tok.input_ids, tok.loss_mask))
+        truncated += int(tok.truncated)
+        last_turn_only += int(tok.last_turn_only)
     if not rows:
         detail = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items()))
         raise UserError(f"no conversation left with anything to learn ({detail}): check the data, the chat "

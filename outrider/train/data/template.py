@@ -9,15 +9,21 @@ prefixes; if that fails too the conversation is dropped). No offset mapping is n
 tokenizers without one (Kimi's tiktoken) work. Inside a turn the mask is 1 up to and including the
 last end-of-turn token, 0 after it. A template that renders a reply differently once later turns
 follow is not split across turns: only the last reply that fits is learned, after its context.
-``vocab_identity`` hashes a loaded tokenizer's vocabulary and template (a dataset's pin)."""
+``vocab_identity`` hashes a loaded tokenizer's vocabulary and template (a dataset's pin).
+``tokenize_many`` does the same for many conversations, in order, over worker processes when
+there are enough of them (each worker gets the pickled tokenizer: the same vocabulary and template)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from outrider.errors import UserError
 from outrider.train.data.conversations import Conversation, Dropped
@@ -199,3 +205,51 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
     if not texts:
         raise Dropped("nothing_to_learn")
     return _assemble(tokenizer, done, texts, token_pieces, end, max_length, truncated, False)
+
+
+PARALLEL_MIN = 4096  # conversations below which tokenising stays in this process (workers cost a start)
+CHUNK = 512  # conversations per worker task
+
+
+def _tokenize_chunk(tokenizer, chunk: Sequence[list[dict[str, str]]], max_length: int,
+                    end_ids: Sequence[int]) -> list["Tokenized | str"]:
+    """``tokenize_conversation`` over ``chunk``: a ``Tokenized``, or the ``Dropped`` reason, per conversation."""
+    out: list[Tokenized | str] = []
+    for messages in chunk:
+        try:
+            out.append(tokenize_conversation(tokenizer, messages, max_length, end_ids))
+        except Dropped as d:
+            out.append(d.reason)
+    return out
+
+
+def tokenize_many(tokenizer, conversations: Sequence[list[dict[str, str]]], max_length: int,
+                  end_ids: Iterable[int] = (), workers: int = 0,
+                  advance: Callable[[int], None] = lambda n: None) -> list["Tokenized | str"]:
+    """``tokenize_conversation`` of every conversation (its messages), in order: a ``Tokenized`` or
+    the reason it was dropped. ``workers``: processes (1: this process; 0: one per CPU, up to 16,
+    once there are ``PARALLEL_MIN`` conversations). Workers are spawned, so the caller's main module
+    must guard its top-level code (the CLI's does); where they cannot start, the rest is tokenised
+    here, to the same result. ``advance(n)`` is called as n more are done."""
+    end = sorted(int(e) for e in end_ids)
+    if workers == 0:
+        workers = min(os.cpu_count() or 1, 16) if len(conversations) >= PARALLEL_MIN else 1
+    chunks = [conversations[i:i + CHUNK] for i in range(0, len(conversations), CHUNK)]
+    out: list[Tokenized | str] = []
+    finished = 0  # chunks done by the workers
+    if workers > 1 and len(chunks) > 1:
+        spawn = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
+        try:
+            with ProcessPoolExecutor(max_workers=min(workers, len(chunks)), mp_context=spawn) as pool:
+                n = len(chunks)
+                for done in pool.map(_tokenize_chunk, [tokenizer] * n, chunks, [max_length] * n, [end] * n):
+                    out += done
+                    advance(len(chunks[finished]))
+                    finished += 1
+        except BrokenProcessPool:  # e.g. a main module without a guard: what is left is done here
+            pass
+    for chunk in chunks[finished:]:
+        out += _tokenize_chunk(tokenizer, chunk, max_length, end)
+        advance(len(chunk))
+    return out
+
