@@ -291,7 +291,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     with claim_dir(a.out, "demo") as claim:
         if a.force and claim.existing:
             claim.clear()
-        demo(preset=a.preset, out=str(claim.path), console=_console())
+        demo(preset=a.preset, out=str(claim.path), console=_console(), workers=0)  # guarded main: workers
     return 0
 
 

@@ -66,7 +66,7 @@ class TrainConfig:
     save_every: int = 100  # optimizer steps between checkpoints of the full state (and at the end)
     log_every: int = 1  # optimizer steps between lines of metrics.jsonl
     init_from_target: bool = False  # start lm_head (draft rows) and the final norm from the target's
-    freeze_lm_head: bool = False  # keep lm_head at the target's rows (needs init_from_target), as DFlash's references do
+    freeze_lm_head: bool = False  # keep lm_head as it starts (the target's rows; needs init_from_target), as DFlash's references do
     init_layer_from_target: bool = False  # start the draft layer from the target's last decoder layer (and fc
     # passing the last aux state through); needs the head's layer shapes to be the target's
     seed: int = 0  # head initialisation and data order
@@ -177,6 +177,9 @@ class TrainConfig:
         if self.dflash_labels not in DFLASH_LABELS:
             raise UserError(f"training setting 'dflash_labels' must be one of {', '.join(DFLASH_LABELS)}, "
                             f"got {self.dflash_labels!r}")
+        if self.dflash_labels != "tokens" and self.drafter != "dflash":
+            raise UserError("training setting 'dflash_labels' is a DFlash drafter's (an EAGLE-3 head always learns "
+                            "the target's distribution): drop it or train with --drafter dflash")
         if self.drafter == "dflash" and self.parallel_drafting:
             raise UserError("a DFlash drafter drafts its block in one forward already: drop parallel_drafting")
         if self.eval_examples is not None and self.eval_examples < 1:

@@ -310,6 +310,7 @@ print(out == tokenize_many(tok, convs, 24, [2], workers=1), sum(seen), len(out))
     run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "1100", "1100"]
+    assert "tokenising in this process: its 2 workers could not run (BrokenProcessPool)" in run.stderr
 
 
 def test_split_is_a_function_of_the_seed(tmp_path, target):

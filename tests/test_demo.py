@@ -21,6 +21,7 @@ def test_choose_k_weighs_acceptance_against_the_drafting_cost():
     assert choose_k(_record([0.3, 0.2, 0.1, 0.1, 0.1], verify_ms=1.0, draft_ms=5.0)) == 2
     # the bench's rates are unconditional (P(draft i accepted), summing to tau - 1): the H100 demo's
     # k = 5 record (33e4d0b) predicts k = 5 fastest, as its benches of k = 3 and 7 beside it measured
+    # (benchmarks/results/gpu/h100-2026-12-06-33e4d0b/trees-chain-k*.json)
     h100 = _record([0.598, 0.406, 0.285, 0.199, 0.149], verify_ms=1.506, draft_ms=0.467)
     assert choose_k(h100) == 5
     # a record without step costs keeps its own k

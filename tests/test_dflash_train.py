@@ -140,3 +140,30 @@ def test_dflash_labels_are_tokens_or_the_target():
     assert TrainConfig(drafter="dflash", dflash_labels="target").dflash_labels == "target"
     with pytest.raises(UserError, match="'dflash_labels' must be one of tokens, target"):
         TrainConfig(drafter="dflash", dflash_labels="soft")
+    with pytest.raises(UserError, match="'dflash_labels' is a DFlash drafter's"):
+        TrainConfig(dflash_labels="target")  # an EAGLE-3 head
+
+
+def test_a_frozen_lm_head_needs_the_targets_rows(tiny_models):
+    """``init_from_target(need_rows=True)``: a target side with no rows of the head's width is refused
+    (a frozen random lm_head would train nothing); without the need the rows are skipped."""
+    import torch
+    from test_dflash import random_drafter
+
+    from outrider.errors import UserError
+    from outrider.train.loop.head_init import init_from_target
+
+    drafter = random_drafter(tiny_models("llama"))
+    before = drafter.lm_head.weight.clone()
+
+    class NoRows:
+        def lm_rows(self, ids):
+            return None
+
+        def norm_weight(self):
+            return None
+
+    init_from_target(drafter, NoRows(), torch.arange(4))
+    assert torch.equal(drafter.lm_head.weight, before)
+    with pytest.raises(UserError, match="freeze_lm_head needs the target's lm_head rows"):
+        init_from_target(drafter, NoRows(), torch.arange(4), need_rows=True)

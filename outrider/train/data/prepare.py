@@ -45,7 +45,7 @@ Contract:
   ``regen_budget_s`` > 0 regenerates conversations in chunks, in the source's order, while the
   budget lasts; the rest are dropped (``over_budget``).
 - ``workers``: processes that tokenise (``template.tokenize_many``; 1, the default: this one; 0:
-  one per CPU once there are thousands of conversations, as the CLI and the demo ask). The rows
+  one per CPU once there are thousands of conversations, as the CLI's `data` and `demo` ask). The rows
   are the same either way.
 - ``load_dataset(dir)`` -> ``TokenDataset``: examples and deterministic shuffled, padded batches,
   shardable by rank. ``merge_datasets(dirs, out)`` joins datasets of one tokenizer (each split

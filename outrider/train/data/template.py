@@ -19,14 +19,19 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
+import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from outrider.errors import UserError
 from outrider.train.data.conversations import Conversation, Dropped
+
+PARALLEL_MIN = 4096  # conversations below which tokenising stays in this process (workers cost a start)
+CHUNK = 512  # conversations per worker task, at least
 
 # --------------------------------------------------------------------------------------------
 # The target's chat template -> ids and masks
@@ -207,10 +212,6 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
     return _assemble(tokenizer, done, texts, token_pieces, end, max_length, truncated, False)
 
 
-PARALLEL_MIN = 4096  # conversations below which tokenising stays in this process (workers cost a start)
-CHUNK = 512  # conversations per worker task
-
-
 def _tokenize_chunk(tokenizer, chunk: Sequence[list[dict[str, str]]], max_length: int,
                     end_ids: Sequence[int]) -> list["Tokenized | str"]:
     """``tokenize_conversation`` over ``chunk``: a ``Tokenized``, or the ``Dropped`` reason, per conversation."""
@@ -224,32 +225,37 @@ def _tokenize_chunk(tokenizer, chunk: Sequence[list[dict[str, str]]], max_length
 
 
 def tokenize_many(tokenizer, conversations: Sequence[list[dict[str, str]]], max_length: int,
-                  end_ids: Iterable[int] = (), workers: int = 0,
+                  end_ids: Iterable[int] = (), workers: int = 1,
                   advance: Callable[[int], None] = lambda n: None) -> list["Tokenized | str"]:
     """``tokenize_conversation`` of every conversation (its messages), in order: a ``Tokenized`` or
-    the reason it was dropped. ``workers``: processes (1: this process; 0: one per CPU, up to 16,
-    once there are ``PARALLEL_MIN`` conversations). Workers are spawned, so the caller's main module
-    must guard its top-level code (the CLI's does); where they cannot start, the rest is tokenised
+    the reason it was dropped. ``workers``: processes (1: this process; 0: one per CPU this process
+    may use, up to 16, once there are ``PARALLEL_MIN`` conversations). Workers are spawned, so the
+    caller's main module must guard its top-level code (the CLI's does); where they cannot start
+    or the tokenizer cannot be sent to them, one line on stderr says so and the rest is tokenised
     here, to the same result. ``advance(n)`` is called as n more are done."""
     end = sorted(int(e) for e in end_ids)
     if workers == 0:
-        workers = min(os.cpu_count() or 1, 16) if len(conversations) >= PARALLEL_MIN else 1
-    chunks = [conversations[i:i + CHUNK] for i in range(0, len(conversations), CHUNK)]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = min(cpus, 16) if len(conversations) >= PARALLEL_MIN else 1
+    size = max(CHUNK, -(-len(conversations) // (4 * workers)))  # about 4 tasks a worker: the tokenizer travels with each
+    chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
     out: list[Tokenized | str] = []
     finished = 0  # chunks done by the workers
     if workers > 1 and len(chunks) > 1:
         spawn = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
         try:
+            pickle.dumps(tokenizer)
             with ProcessPoolExecutor(max_workers=min(workers, len(chunks)), mp_context=spawn) as pool:
                 n = len(chunks)
                 for done in pool.map(_tokenize_chunk, [tokenizer] * n, chunks, [max_length] * n, [end] * n):
                     out += done
                     advance(len(chunks[finished]))
                     finished += 1
-        except BrokenProcessPool:  # e.g. a main module without a guard: what is left is done here
-            pass
+        except (BrokenProcessPool, OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+            # e.g. a main module without a guard, no shared memory, a tokenizer that cannot be pickled
+            print(f"tokenising in this process: its {workers} workers could not run ({type(e).__name__})",
+                  file=sys.stderr)
     for chunk in chunks[finished:]:
         out += _tokenize_chunk(tokenizer, chunk, max_length, end)
         advance(len(chunk))
     return out
-

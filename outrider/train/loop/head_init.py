@@ -20,16 +20,20 @@ from outrider.heads.eagle3 import Eagle3Config, Eagle3Head
 
 
 @torch.no_grad()
-def init_from_target(head: Eagle3Head, target: Any, draft_ids: torch.Tensor) -> None:
+def init_from_target(head: Eagle3Head, target: Any, draft_ids: torch.Tensor, need_rows: bool = False) -> None:
     """lm_head <- the target's lm_head rows of the draft vocabulary; norm <- the target's final norm.
 
     The head then starts by reading its hidden state the way the target reads its last one,
     which shortens training; the rest stays randomly initialised. ``target`` is any feature
-    source with ``lm_rows(ids)`` and ``norm_weight()`` (online, cached or streamed).
+    source with ``lm_rows(ids)`` and ``norm_weight()`` (online, cached or streamed). Rows of
+    another shape are skipped, unless ``need_rows`` (a frozen lm_head): then ``UserError``.
     """
     rows = target.lm_rows(draft_ids)  # [draft_vocab, H] or None
     if rows is not None and tuple(rows.shape[1:]) == (head.config.hidden_size,):
         head.lm_head.weight.copy_(rows.float().cpu())
+    elif need_rows:
+        raise UserError("freeze_lm_head needs the target's lm_head rows, and this target side has none of the "
+                        "head's width: drop freeze_lm_head")
     weight = target.norm_weight()  # [H] or None
     if weight is not None and tuple(weight.shape) == tuple(head.norm.weight.shape):
         head.norm.weight.copy_(weight.detach().float().cpu())

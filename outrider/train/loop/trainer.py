@@ -220,7 +220,7 @@ class _Trainer:
             self.head.load_state_dict(init_head.state_dict())
         else:
             if cfg.init_from_target:
-                head_init.init_from_target(self.head, self.target, self.vocab.draft_ids)
+                head_init.init_from_target(self.head, self.target, self.vocab.draft_ids, need_rows=cfg.freeze_lm_head)
             if cfg.init_layer_from_target and cfg.drafter != "dflash":
                 head_init.init_layer_from_target(self.head, self.target.last_layer())
         if self.resume_state is not None:
@@ -241,7 +241,7 @@ class _Trainer:
 
     def _build_optimizer(self) -> None:
         env, cfg = self.env, self.config
-        self.head.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: the target's rows stay as they are
+        self.head.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: it stays as it started
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=cfg.lr,
                                            betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.train_s = 0.0  # seconds inside optimizer steps so far (resumed runs included)
