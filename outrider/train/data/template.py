@@ -244,7 +244,6 @@ def tokenize_many(tokenizer, conversations: Sequence[list[dict[str, str]]], max_
     if workers > 1 and len(chunks) > 1:
         spawn = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
         try:
-            pickle.dumps(tokenizer)
             with ProcessPoolExecutor(max_workers=min(workers, len(chunks)), mp_context=spawn) as pool:
                 n = len(chunks)
                 for done in pool.map(_tokenize_chunk, [tokenizer] * n, chunks, [max_length] * n, [end] * n):
