@@ -93,11 +93,11 @@ def dflash_loss(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Te
     if aux.shape[:2] != (B, S) or teacher.shape != (B, S, cfg.draft_vocab_size):
         raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
                          f"teacher {tuple(teacher.shape)} (draft vocab {cfg.draft_vocab_size})")
+    if labels not in DFLASH_LABELS:
+        raise ValueError(f"labels must be one of {DFLASH_LABELS}, got {labels!r}")
     real = torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     if index is None:
         index = counted_positions(loss_mask, real, steps)
-    if labels not in DFLASH_LABELS:
-        raise ValueError(f"labels must be one of {DFLASH_LABELS}, got {labels!r}")
     if len(index) != steps:
         raise ValueError(f"{len(index)} position sets for {steps} draft positions (block_size {cfg.block_size})")
     w = list(weights)
