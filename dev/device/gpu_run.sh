@@ -8,7 +8,8 @@
 # (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
 # EAGLE-3 head: eval-split against held-out prompts; split_check on its data), demowalk (the same on
-# the demo's head and data), regen (regen_rate: the data stage's replies per second), demotrees (the demo's head: chain and two trees
+# the demo's head and data), regen (regen_rate: the data stage's replies per second, where a wave's time goes, a profile),
+# treeround (tree_round.py: a random head's chain and tree rounds), demotrees (the demo's head: chain and two trees
 # in one process). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
@@ -106,7 +107,14 @@ walk_on() {  # walk_on DATA HEAD TAG: the trainer's walked tau against the engin
 part_walk() { walk_on $CMP/demo/data $CMP/eagle3/head ""; }  # compare's EAGLE-3 head
 part_demowalk() { walk_on $DEMO/data $DEMO/head -demo; }  # the demo's head
 part_regen() {  # the data stage's regeneration rate by batch size
-  stage regen python3 benchmarks/regen_rate.py --batches 128,256 --prompts 2048 --out $RES/regen_rate.json
+  stage regen python3 benchmarks/regen_rate.py --batches 128,256 --prompts 2048 --out $RES/regen_rate.json \
+      --profile $RES/regen-profile.txt
+}
+part_treeround() {  # a random head's chain and tree rounds at this commit (bf16 compiled; float32 against plain greedy)
+  stage treeround python3 benchmarks/tree_round.py --device cuda --dtype bfloat16 --graphs --compile --num-prompts 4 \
+      --max-new-tokens 128 --json $RES/tree-round.json
+  stage treeround-fp32 python3 benchmarks/tree_round.py --device cuda --dtype float32 --graphs --num-prompts 4 \
+      --max-new-tokens 48 --repeats 1 --trees '1,3,4;4,3,16' --json $RES/tree-round-fp32.json
 }
 part_shape() {
   stage shape python3 benchmarks/shape_change.py --json $RES/shape_change.json
