@@ -293,10 +293,12 @@ def read_settings(path: str | Path) -> Any:
     return d
 
 
-def resolve_config(preset: str | None, config: "TrainConfig | str | None", device_type: str
-                   ) -> tuple["TrainConfig", str | None]:
+def resolve_config(preset: str | None, config: "TrainConfig | str | None", device_type: str,
+                   drafter: str | None = None) -> tuple["TrainConfig", str | None]:
     """The run's settings: a ``TrainConfig`` as given, or a preset (default ``full`` on CUDA, ``quick``
-    elsewhere) overridden by a JSON file of settings (an earlier ``train_config.json`` works too)."""
+    elsewhere) overridden by a JSON file of settings (an earlier ``train_config.json`` works too),
+    then by ``drafter`` (``--drafter``) before the settings are checked together: a file of a DFlash
+    drafter's settings is valid with the flag alone."""
     if isinstance(config, TrainConfig):
         if preset is not None and config != TrainConfig.preset(preset):
             raise UserError("give either a preset or a TrainConfig, not both")
@@ -304,7 +306,7 @@ def resolve_config(preset: str | None, config: "TrainConfig | str | None", devic
     name = preset or ("full" if device_type == "cuda" else "quick")
     base = TrainConfig.preset(name)
     if config is None:
-        return base, name
+        return (base if drafter is None else base.replace(drafter=drafter)), name
     p = Path(config).expanduser()
     overrides = read_settings(p)
     if not isinstance(overrides, dict):
@@ -315,4 +317,6 @@ def resolve_config(preset: str | None, config: "TrainConfig | str | None", devic
         raise UserError(f"unknown training setting(s) {', '.join(unknown)} in {p}: known ones are "
                         f"{', '.join(sorted(merged))}")
     merged.update(overrides)
+    if drafter is not None:
+        merged["drafter"] = drafter
     return TrainConfig.from_dict(merged), name

@@ -144,6 +144,24 @@ def test_dflash_labels_are_tokens_or_the_target():
         TrainConfig(dflash_labels="target")  # an EAGLE-3 head
 
 
+def test_a_settings_file_of_a_dflash_drafter_with_the_flag_alone(tmp_path):
+    """``--config`` naming DFlash settings (soft labels) and ``--drafter dflash`` naming the drafter:
+    the flag applies before the settings are checked together, on a new run and on a resume."""
+    from outrider.config import resolve_config
+    from outrider.errors import UserError
+    from outrider.train.loop.resume import settings
+
+    path = tmp_path / "soft.json"
+    path.write_text(json.dumps({"block_size": 4, "dflash_labels": "target"}))
+    cfg, preset = resolve_config("quick", str(path), "cpu", "dflash")
+    assert (cfg.drafter, cfg.dflash_labels, cfg.block_size, preset) == ("dflash", "target", 4, "quick")
+    assert resolve_config("quick", None, "cpu", "dflash")[0].drafter == "dflash"
+    with pytest.raises(UserError, match="'dflash_labels' is a DFlash drafter's"):
+        resolve_config("quick", str(path), "cpu")  # no flag: the settings name an EAGLE-3 head
+    state = {"config": cfg.to_dict(), "world_size": 1, "preset": "quick"}
+    assert settings(state, "quick", str(path), None, None, 1, "cpu", "dflash")[0] == cfg
+
+
 def test_a_frozen_lm_head_needs_the_targets_rows(tiny_models):
     """``init_from_target(need_rows=True)``: a target side with no rows of the head's width is refused
     (a frozen random lm_head would train nothing); without the need the rows are skipped."""

@@ -39,11 +39,11 @@ _HELP = {"data": "the training data's content", "template": "the chat template t
 
 def settings(state: dict[str, Any], preset: str | None, config: TrainConfig | str | None,
              aux_layer_ids: Sequence[int] | None, init: str | None, world_size: int,
-             device_type: str) -> tuple[TrainConfig, str | None]:
+             device_type: str, drafter: str | None = None) -> tuple[TrainConfig, str | None]:
     """The checkpoint's config and preset, after refusing flags that would change them."""
     saved = TrainConfig.from_dict(state["config"])
     if config is not None or preset is not None:
-        asked, _ = resolve_config(preset, config, device_type)
+        asked, _ = resolve_config(preset, config, device_type, drafter)
         if asked.replace(aux_layer_ids=saved.aux_layer_ids) != saved:
             raise UserError("--resume continues with the checkpoint's settings: drop --preset/--config, "
                             "or train into a new --out")

@@ -112,12 +112,12 @@ class _Trainer:
         env = self.env
         if self.resume_state is not None:
             self.config, self.preset = same_run.settings(self.resume_state, preset, config, aux_layer_ids, init,
-                                                       env.world_size, env.device.type)
+                                                       env.world_size, env.device.type, drafter)
         else:
             if (self.last_dir / "trainer_state.pt").exists():
                 raise UserError(f"{self.out} already holds a training run: pass --resume to continue it, "
                                 "or choose a new --out")
-            self.config, self.preset = resolve_config(preset, config, env.device.type)
+            self.config, self.preset = resolve_config(preset, config, env.device.type, drafter)
             if aux_layer_ids is not None:  # with --drafter: a DFlash drafter reads any number of layers
                 self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids),
                                                   drafter=drafter or self.config.drafter)
