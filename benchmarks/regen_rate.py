@@ -24,8 +24,7 @@ import torch
 
 from outrider import assets, sharegpt
 from outrider.cliargs import POSITIVE, int_list
-from outrider.decode.engine import eos_token_ids
-from outrider.decode.engine import SpecEngine
+from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.demo import SIZES, engine_generate_fn
 from outrider.errors import UserError
 from outrider.fsutil import atomic_write_json
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             s = time.perf_counter() - t
             new = sum(len(o) for o in outs)
-            waves = wave_split(model, tok, prompts, b, a.max_new, cuda)
+            waves = wave_split(fn.engine, prompts, b, a.max_new)
             rows.append({"batch": b, "exchanges": len(prompts), "seconds": round(s, 2),
                          "exchanges_per_s": round(len(prompts) / s, 1), "new_tokens_per_s": round(new / s),
                          "mean_new_tokens": round(new / len(prompts), 1), **waves})
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{waves['ms_per_step']:.2f} ms a decode step, {waves['busy_row_steps']:.0%} of row-steps "
                   "made a token", flush=True)
         if a.profile:
-            profile_wave(model, tok, sorted(prompts, key=len)[-a.batches[-1]:], a.max_new, cuda, a.profile)
+            profile_wave(fn.engine, sorted(prompts, key=len)[-a.batches[-1]:], a.max_new, cuda, a.profile)
         result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "max_new": a.max_new, "rows": rows}
         if a.out:
             atomic_write_json(a.out, result)
@@ -86,13 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def wave_split(model, tok, prompts: list[list[int]], batch: int, max_new: int, cuda: bool) -> dict:
-    """The same waves again, one engine call each as regeneration makes them, timed by the engine's
-    own marks: prefill and decode seconds, decode steps (a wave steps until its longest reply ends),
-    and the share of row-steps that made a token."""
-    engine = SpecEngine(model, None, eos_ids=eos_token_ids(model, tok), graphs=cuda)
+def wave_split(engine: SpecEngine, prompts: list[list[int]], batch: int, max_new: int) -> dict:
+    """The same waves again through the regeneration's own (warm) engine, one call each as
+    regeneration makes them, timed by the engine's marks: prefill and decode seconds, decode steps
+    (a wave steps until its longest reply ends), and the share of row-steps that made a token."""
     order = sorted(prompts, key=len)
-    engine.generate(order[:batch], max_new)  # untimed: this engine's graphs captured
     prefill = decode = 0.0
     steps = row_steps = made = 0
     for i in range(0, len(order), batch):
@@ -109,12 +106,10 @@ def wave_split(model, tok, prompts: list[list[int]], batch: int, max_new: int, c
             "busy_row_steps": made / max(row_steps, 1)}
 
 
-def profile_wave(model, tok, wave: list[list[int]], max_new: int, cuda: bool, path: str) -> None:
-    """One wave under ``torch.profiler`` (after a warm-up wave): its operators by device time into ``path``."""
+def profile_wave(engine: SpecEngine, wave: list[list[int]], max_new: int, cuda: bool, path: str) -> None:
+    """One wave through the warm engine under ``torch.profiler``: its operators by device time into ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = SpecEngine(model, None, eos_ids=eos_token_ids(model, tok), graphs=cuda)
-    engine.generate(wave, max_new)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         engine.generate(wave, max_new)

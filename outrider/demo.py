@@ -99,6 +99,7 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
         return [by_index[i] for i in range(len(prompts))]
 
     generate.batch_size = batch_size  # the regeneration's wave size
+    generate.engine = engine  # its target caches and graphs, for a benchmark's further waves
     generate.temperature = float(temperature)
     generate.seed = seed
     return generate
