@@ -1,4 +1,5 @@
-"""``metrics.summarise_log``: the figures RESULTS.md quotes for a training run, on a known file."""
+"""``metrics.summarise_log``: the figures RESULTS.md quotes for a training run, on a known file;
+``Throughput``: the rates a run reports as it goes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from outrider.errors import UserError
-from outrider.train.loop.metrics import summarise_log
+from outrider.train.loop.metrics import Throughput, summarise_log
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -40,3 +41,17 @@ def test_steady_mfu_is_weighted_by_step_time(tmp_path):
     (tmp_path / "m.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     z = summarise_log(tmp_path / "m.jsonl.gz", after=1)
     assert z["steady"]["ahead_share"] == 0.5 and z["steady"]["mfu"] == s["steady"]["mfu"]
+
+
+def test_the_bars_rate_pools_recent_steps():
+    """On the CPU a step queued ahead runs at its launch, so the host counts its seconds in the step
+    before and the last step reads ~0 s: the bar's rate pools the last steps (the final step's own
+    rate, the figure the bar showed before, read a million tokens a second on a 230 tokens/s run)."""
+    rate = Throughput(None, 1, window=4)
+    for dt in (1.0, 1.0, 2.0, 1e-6):  # the last step's seconds were counted in the third
+        rate.add({"tokens": 100}, dt, 0.0, 0.0, 0.0)
+    assert rate.recent() == pytest.approx(400 / 4.000001)
+    assert rate.tokens_per_s() == pytest.approx(400 / 4.000001)
+    rate.add({"tokens": 100}, 1.0, 0.0, 0.0, 0.0)  # the window drops the first step
+    assert rate.recent() == pytest.approx(400 / 4.000001)
+    assert rate.tokens_per_s() == pytest.approx(500 / 5.000001)

@@ -14,6 +14,8 @@ Not done here: logging to files (``checkpoint``), the FLOPs themselves (``flops`
 
 from __future__ import annotations
 
+import collections
+
 import gzip
 import json
 import statistics
@@ -197,17 +199,21 @@ class StepSums:
 
 class Throughput:
     """One run's training seconds, tokens and FLOPs (resumed time not included), and each step's
-    rates: tokens per second and, where the device's peak is known, MFU."""
+    rates: tokens per second and, where the device's peak is known, MFU. A step's seconds are the
+    host's between reads: where a launch runs the step (the CPU) a step queued ahead is counted in
+    the step before, so ``recent()`` pools the last ``window`` steps."""
 
-    def __init__(self, peak: float | None, world_size: int):
+    def __init__(self, peak: float | None, world_size: int, window: int = 20):
         self.peak, self.world_size = peak, world_size
         self.train_s, self.tokens, self.flops = 0.0, 0, 0.0
+        self.last: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)  # (tokens, seconds)
 
     def add(self, m: dict[str, Any], dt: float, weights: float, attention: float, total_s: float) -> None:
         """Counts a step of ``dt`` seconds and writes its rates into its metrics ``m``; ``total_s``: the
         run's training seconds so far, resumed ones included."""
         self.train_s += dt
         self.tokens += m["tokens"]
+        self.last.append((m["tokens"], dt))
         self.flops += weights + attention
         m["tokens_per_s"], m["train_s"] = round(m["tokens"] / dt, 2), round(total_s, 3)
         if self.peak:
@@ -219,6 +225,11 @@ class Throughput:
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.train_s if self.train_s > 0 else 0.0
+
+    def recent(self) -> float:
+        """Tokens per second over the last ``window`` steps (what a progress bar shows)."""
+        seconds = sum(dt for _, dt in self.last)
+        return sum(n for n, _ in self.last) / seconds if seconds > 0 else 0.0
 
 
 @dataclass

@@ -326,7 +326,7 @@ class _Trainer:
                     self.train_s += dt
                     rate.add(m, dt, *self._step_flops(m["tokens"], counted, m["attn_pairs"]), self.train_s)
                     bar.update(self.step, loss=f"{m['loss']:.3f}", acc0=f"{m['per_step_acc'][0]:.2f}",
-                               tau=f"{m['sim_tau_k']:.2f}", tps=f"{m['tokens_per_s']:.0f}")
+                               tau=f"{m['sim_tau_k']:.2f}", tps=f"{rate.recent():.0f}")
                     self._stop_early(queued)
                     end = self.step == self.stop_at and self.interrupt is None  # a signal's stop is no end
                     if env.is_main and (self.step % cfg.log_every == 0 or end):
