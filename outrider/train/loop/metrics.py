@@ -15,7 +15,6 @@ Not done here: logging to files (``checkpoint``), the FLOPs themselves (``flops`
 from __future__ import annotations
 
 import collections
-
 import gzip
 import json
 import statistics
