@@ -5,8 +5,8 @@
 The prompts are the first ``--prompts`` single exchanges of the full demo preset
 (``sharegpt.training_exchanges``: later user turns, each alone), rendered with the default model's
 chat template as regeneration renders them; each batch size regenerates all of them greedily through
-``demo.engine_generate_fn`` (CUDA graphs on a GPU), in waves of similar length, after one untimed
-wave. Prints, per batch size, exchanges and new tokens per second, where a wave's time goes
+the engine ``demo.engine_generate_fn`` builds (CUDA graphs on a GPU), in its waves of similar
+length, after one untimed wave. Prints, per batch size, exchanges and new tokens per second, where a wave's time goes
 (prefill against decode steps, ms per decode step) and how many of its row-steps made a token (a
 wave steps until its longest reply ends: rows that stopped early idle); a final JSON line (``--out``
 also writes it). ``--profile F``: one more wave at the last batch size under ``torch.profiler``, its
@@ -57,15 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in a.batches:
             fn = engine_generate_fn(model, eos_token_ids(model, tok), batch_size=b, graphs=cuda)
             fn(sorted(prompts, key=len)[:b], a.max_new)  # warm-up: graphs captured, kernels chosen
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            outs = fn(prompts, a.max_new)
-            if cuda:
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t
-            new = sum(len(o) for o in outs)
-            waves = wave_split(fn.engine, prompts, b, a.max_new)
+            waves = timed_waves(fn.engine, prompts, b, a.max_new)
+            s, new = waves.pop("seconds"), waves.pop("new_tokens")
             rows.append({"batch": b, "exchanges": len(prompts), "seconds": round(s, 2),
                          "exchanges_per_s": round(len(prompts) / s, 1), "new_tokens_per_s": round(new / s),
                          "mean_new_tokens": round(new / len(prompts), 1), **waves})
@@ -85,13 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def wave_split(engine: SpecEngine, prompts: list[list[int]], batch: int, max_new: int) -> dict:
-    """The same waves again through the regeneration's own (warm) engine, one call each as
-    regeneration makes them, timed by the engine's marks: prefill and decode seconds, decode steps
-    (a wave steps until its longest reply ends), and the share of row-steps that made a token."""
+def timed_waves(engine: SpecEngine, prompts: list[list[int]], batch: int, max_new: int) -> dict:
+    """Every prompt regenerated through the regeneration's own (warm) engine in its waves (similar
+    lengths, one engine call each): the wall seconds and new tokens, and, by the engine's marks,
+    prefill and decode seconds, decode steps (a wave steps until its longest reply ends), and the
+    share of row-steps that made a token."""
     order = sorted(prompts, key=len)
     prefill = decode = 0.0
-    steps = row_steps = made = 0
+    steps = row_steps = made = new = 0
+    engine.sync()
+    t = time.perf_counter()
     for i in range(0, len(order), batch):
         wave = order[i:i + batch]
         r = engine.generate(wave, max_new)
@@ -101,7 +97,9 @@ def wave_split(engine: SpecEngine, prompts: list[list[int]], batch: int, max_new
         steps += longest
         row_steps += longest * len(wave)
         made += sum(len(t) - 1 for t in r.tokens)
-    return {"prefill_s": round(prefill, 2), "decode_s": round(decode, 2), "decode_steps": steps,
+        new += sum(len(t) for t in r.tokens)
+    engine.sync()
+    return {"seconds": time.perf_counter() - t, "new_tokens": new, "prefill_s": round(prefill, 2), "decode_s": round(decode, 2), "decode_steps": steps,
             "prefill_share": prefill / max(prefill + decode, 1e-9), "ms_per_step": 1000 * decode / max(steps, 1),
             "busy_row_steps": made / max(row_steps, 1)}
 
