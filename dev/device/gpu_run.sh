@@ -138,6 +138,7 @@ job) shift; job "$@";;
 wait) end=$(( $(date +%s) + $2 ))
       while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE $RES/status; do sleep 10; done
       cat $RES/status; tail -n 3 $RES/*.log | tail -40
+      [ -f $RES/demo.done ] || cp $DEMO/bench.json $RES/demo-bench-so-far.json 2>/dev/null  # a cut demo's records
       tar czf $OUT/results.tgz -C $RES . ;;
 *) echo "usage: gpu_run.sh start [PART ...] | wait SECONDS   (parts: $ALL)"; exit 2;;
 esac
