@@ -296,13 +296,13 @@ def read_settings(path: str | Path) -> Any:
 def resolve_config(preset: str | None, config: "TrainConfig | str | None", device_type: str,
                    drafter: str | None = None) -> tuple["TrainConfig", str | None]:
     """The run's settings: a ``TrainConfig`` as given, or a preset (default ``full`` on CUDA, ``quick``
-    elsewhere) overridden by a JSON file of settings (an earlier ``train_config.json`` works too),
-    then by ``drafter`` (``--drafter``) before the settings are checked together: a file of a DFlash
-    drafter's settings is valid with the flag alone."""
+    elsewhere) overridden by a JSON file of settings (an earlier ``train_config.json`` works too);
+    either then takes ``drafter`` (``--drafter``), before the settings are checked together: a file
+    of a DFlash drafter's settings is valid with the flag alone."""
     if isinstance(config, TrainConfig):
         if preset is not None and config != TrainConfig.preset(preset):
             raise UserError("give either a preset or a TrainConfig, not both")
-        return config, preset
+        return (config if drafter is None else config.replace(drafter=drafter)), preset
     name = preset or ("full" if device_type == "cuda" else "quick")
     base = TrainConfig.preset(name)
     if config is None:

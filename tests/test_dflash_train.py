@@ -147,7 +147,7 @@ def test_dflash_labels_are_tokens_or_the_target():
 def test_a_settings_file_of_a_dflash_drafter_with_the_flag_alone(tmp_path):
     """``--config`` naming DFlash settings (soft labels) and ``--drafter dflash`` naming the drafter:
     the flag applies before the settings are checked together, on a new run and on a resume."""
-    from outrider.config import resolve_config
+    from outrider.config import TrainConfig, resolve_config
     from outrider.errors import UserError
     from outrider.train.loop.resume import settings
 
@@ -160,6 +160,8 @@ def test_a_settings_file_of_a_dflash_drafter_with_the_flag_alone(tmp_path):
         resolve_config("quick", str(path), "cpu")  # no flag: the settings name an EAGLE-3 head
     state = {"config": cfg.to_dict(), "world_size": 1, "preset": "quick"}
     assert settings(state, "quick", str(path), None, None, 1, "cpu", "dflash")[0] == cfg
+    given = TrainConfig.preset("quick")  # a library caller's TrainConfig takes the flag as a file does
+    assert resolve_config(None, given, "cpu", "dflash")[0] == given.replace(drafter="dflash")
 
 
 def test_a_frozen_lm_head_needs_the_targets_rows(tiny_models):

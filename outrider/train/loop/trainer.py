@@ -119,8 +119,7 @@ class _Trainer:
                                 "or choose a new --out")
             self.config, self.preset = resolve_config(preset, config, env.device.type, drafter)
             if aux_layer_ids is not None:  # with --drafter: a DFlash drafter reads any number of layers
-                self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids),
-                                                  drafter=drafter or self.config.drafter)
+                self.config = self.config.replace(aux_layer_ids=tuple(aux_layer_ids))
         cfg = self.config
         self.stop_at = cfg.steps if max_steps is None else int(max_steps)
         if not 1 <= self.stop_at <= cfg.steps:
@@ -128,14 +127,12 @@ class _Trainer:
                             "'steps' in a --config file to train longer)")
 
     def _parallel(self, flag: bool, drafter: str | None, loaded: Any) -> None:
-        """``--parallel-drafting`` and ``--drafter`` into the settings (a resumed run keeps its own: the
-        flags must agree); a null ``mask_token_id`` of a parallel or DFlash run resolved from the
+        """``--parallel-drafting`` into the settings, ``--drafter`` checked (a resumed run keeps its own:
+        the flags must agree); a null ``mask_token_id`` of a parallel or DFlash run resolved from the
         target's tokenizer."""
-        if drafter is not None and drafter != self.config.drafter:
-            if self.resume_state is not None:
-                raise UserError(f"--drafter {drafter}: the run being resumed trains a {self.config.drafter} drafter; "
-                                "drop the flag or start a new run")
-            self.config = self.config.replace(drafter=drafter)
+        if drafter is not None and drafter != self.config.drafter:  # a new run's settings took the flag already
+            raise UserError(f"--drafter {drafter}: the run being resumed trains a {self.config.drafter} drafter; "
+                            "drop the flag or start a new run")
         if self.config.drafter == "dflash" and self.init is not None:
             raise UserError("--init fine-tunes an EAGLE-3 head; a DFlash drafter trains from scratch: drop --init")
         if flag and not self.config.parallel_drafting:
