@@ -14,11 +14,18 @@
 # target's distributions (dflash_labels). Default K: 3 on a CPU (the quick
 # preset's unroll), 5 on CUDA. TREES (e.g. "4,3,16 4,4,16") also benches the EAGLE-3 head's
 # EAGLE-2 trees at batch 1. PROMPTS and TOKENS: held-out prompts and new tokens each (32 x 128 on
-# CUDA, 16 x 48 on a CPU). The benches run in one process (benchmarks/drafters_bench.py).
+# CUDA, 16 x 48 on a CPU). METHODS (default "eagle3 parallel dflash") and BATCHES (default "1 8")
+# narrow the run to some drafters and batch sizes. The benches run in one process
+# (benchmarks/drafters_bench.py).
 # Records: OUT_DIR/bench-METHOD-bB-kK.json (trees: -tree-T-S-N); the table: OUT_DIR/table.md.
 set -euo pipefail
 
 out=${1:?usage: bash benchmarks/drafters_compare.sh OUT_DIR [K]}
+methods=${METHODS:-eagle3 parallel dflash}
+batches=${BATCHES:-1 8}
+for m in $methods; do
+  case $m in eagle3|parallel|dflash) ;; *) echo "METHODS: unknown drafter '$m' (eagle3, parallel, dflash)" >&2; exit 2;; esac
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -31,6 +38,7 @@ if [ "$cuda" = 1 ]; then prompts=${PROMPTS:-32}; tokens=${TOKENS:-128}; else pro
   date -u +%Y-%m-%dT%H:%M:%SZ
   git rev-parse HEAD 2>/dev/null || echo "no git"
   python -c 'import torch, platform; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu", "torch", torch.__version__)'
+  echo "methods=$methods batches=$batches"
   echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} dflash_freeze=${DFLASH_FREEZE:-0} dflash_labels=${DFLASH_LABELS:-tokens} prompts=$prompts max_new_tokens=$tokens"
 } > "$out/env.txt"
 
@@ -62,33 +70,34 @@ train() {  # train NAME FLAGS...
   python -m outrider train default --data "$out/demo/data" --out "$out/$name" --config "$out/$name.json" "$@" \
     2>&1 | tee "$out/train-$name.log"
 }
-train eagle3
-train parallel --parallel-drafting
-train dflash --drafter dflash
+for m in $methods; do
+  case $m in eagle3) train eagle3;; parallel) train parallel --parallel-drafting;; dflash) train dflash --drafter dflash;; esac
+done
 
 runs=()
-for b in 1 8; do
-  for m in eagle3 parallel dflash; do runs+=(--run "$m:$out/$m/head:k=$k:b=$b"); done
+for b in $batches; do
+  for m in $methods; do runs+=(--run "$m:$out/$m/head:k=$k:b=$b"); done
 done
 for t in ${TREES:-}; do runs+=(--run "eagle3:$out/eagle3/head:tree=$t"); done
 python benchmarks/drafters_bench.py --out "$out" --num-prompts "$prompts" --max-new-tokens "$tokens" "${runs[@]}" \
   2>&1 | tee "$out/bench.log"
 
-python - "$out" "$k" <<'EOF' | tee "$out/table.md"
+python - "$out" "$k" "$methods" "$batches" <<'EOF' | tee "$out/table.md"
 import json, sys
 from pathlib import Path
 from outrider.records import read_records
 out = Path(sys.argv[1])
 print("| method | batch | k | tau | draft ms / round | verify ms | tokens/s | speedup vs AR | lossless |")
 print("|---|---|---|---|---|---|---|---|---|")
-files = [(m, b, out / f"bench-{m}-b{b}-k{sys.argv[2]}.json") for b in (1, 8) for m in ("eagle3", "parallel", "dflash")]
+methods, batches = sys.argv[3].split(), [int(b) for b in sys.argv[4].split()]
+files = [(m, b, out / f"bench-{m}-b{b}-k{sys.argv[2]}.json") for b in batches for m in methods]
 files += [("eagle3 tree " + f.stem.split("tree-")[1].replace("-", ","), 1, f)
           for f in sorted(out.glob("bench-eagle3-b1-tree-*.json"))]
 for m, b, f in files:
     (r,) = read_records(f)
     print(f"| {m} | {b} | {r.k} | {r.tau:.2f} | {r['draft_step_ms']:.2f} | {r['verify_step_ms']:.2f} | "
           f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['verdict']} |")
-for m in ("eagle3", "parallel", "dflash"):
+for m in methods:
     evals = [json.loads(l) for l in (out / m / "metrics.jsonl").read_text().splitlines()]
     last = [e for e in evals if e.get("type") == "eval"][-1]
     print(f"\n{m}: step {last['step']}, walked tau@{len(last['per_step_acc'])} on the eval split "

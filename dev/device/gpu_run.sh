@@ -85,7 +85,8 @@ part_gputests() {  # the CUDA fast path against plain generate (graphs of chains
   stage gputests python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -k "graphs_equal or prompt"
 }
 part_compare() {  # EAGLE-3, P-EAGLE, DFlash at CMP_STEPS optimizer steps each on the demo's data; EAGLE-2 trees
-  STEPS=${CMP_STEPS:-800} TREES="4,3,16 4,4,16" stage compare bash benchmarks/drafters_compare.sh $CMP 5
+  # (CMP_TREES, empty for none); drafters_compare.sh's METHODS, BATCHES and DFLASH_* pass through
+  STEPS=${CMP_STEPS:-800} TREES=${CMP_TREES-4,3,16 4,4,16} stage compare bash benchmarks/drafters_compare.sh $CMP 5
   cp $CMP/table.md $CMP/env.txt $CMP/bench-*.json $CMP/bench.log $RES/ 2>/dev/null
   for m in eagle3 parallel dflash; do xz -c $CMP/$m/metrics.jsonl > $RES/train-$m-metrics.jsonl.xz 2>/dev/null; done
   cp $CMP/train-*.log $RES/ 2>/dev/null
