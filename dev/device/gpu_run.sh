@@ -88,7 +88,9 @@ part_compare() {  # EAGLE-3, P-EAGLE, DFlash at CMP_STEPS optimizer steps each o
   # (CMP_TREES, empty for none); drafters_compare.sh's METHODS, BATCHES and DFLASH_* pass through
   STEPS=${CMP_STEPS:-800} TREES=${CMP_TREES-4,3,16 4,4,16} stage compare bash benchmarks/drafters_compare.sh $CMP 5
   cp $CMP/table.md $CMP/env.txt $CMP/bench-*.json $CMP/bench.log $RES/ 2>/dev/null
-  for m in eagle3 parallel dflash; do xz -c $CMP/$m/metrics.jsonl > $RES/train-$m-metrics.jsonl.xz 2>/dev/null; done
+  for m in eagle3 parallel dflash; do
+    [ -f $CMP/$m/metrics.jsonl ] && xz -c $CMP/$m/metrics.jsonl > $RES/train-$m-metrics.jsonl.xz
+  done
   cp $CMP/train-*.log $RES/ 2>/dev/null
   cp $CMP/demo/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
 }
