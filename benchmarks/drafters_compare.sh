@@ -23,9 +23,13 @@ set -euo pipefail
 out=${1:?usage: bash benchmarks/drafters_compare.sh OUT_DIR [K]}
 methods=${METHODS:-eagle3 parallel dflash}
 batches=${BATCHES:-1 8}
-for m in $methods; do
-  case $m in eagle3|parallel|dflash) ;; *) echo "METHODS: unknown drafter '$m' (eagle3, parallel, dflash)" >&2; exit 2;; esac
-done
+flags() {  # flags DRAFTER: its `outrider train` flags; an unknown drafter refused in one line
+  case $1 in
+    eagle3) ;; parallel) echo --parallel-drafting;; dflash) echo --drafter dflash;;
+    *) echo "METHODS: unknown drafter '$1' (eagle3, parallel, dflash)" >&2; return 2;;
+  esac
+}
+for m in $methods; do flags "$m" > /dev/null || exit 2; done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -70,9 +74,7 @@ train() {  # train NAME FLAGS...
   python -m outrider train default --data "$out/demo/data" --out "$out/$name" --config "$out/$name.json" "$@" \
     2>&1 | tee "$out/train-$name.log"
 }
-for m in $methods; do
-  case $m in eagle3) train eagle3;; parallel) train parallel --parallel-drafting;; dflash) train dflash --drafter dflash;; esac
-done
+for m in $methods; do train "$m" $(flags "$m"); done
 
 runs=()
 for b in $batches; do

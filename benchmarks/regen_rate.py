@@ -99,7 +99,8 @@ def timed_waves(engine: SpecEngine, prompts: list[list[int]], batch: int, max_ne
         made += sum(len(t) - 1 for t in r.tokens)
         new += sum(len(t) for t in r.tokens)
     engine.sync()
-    return {"seconds": time.perf_counter() - t, "new_tokens": new, "prefill_s": round(prefill, 2), "decode_s": round(decode, 2), "decode_steps": steps,
+    return {"seconds": time.perf_counter() - t, "new_tokens": new, "prefill_s": round(prefill, 2),
+            "decode_s": round(decode, 2), "decode_steps": steps,
             "prefill_share": prefill / max(prefill + decode, 1e-9), "ms_per_step": 1000 * decode / max(steps, 1),
             "busy_row_steps": made / max(row_steps, 1)}
 
