@@ -1,5 +1,5 @@
 """DFlash block drafters: the config and its engine fields, lossless decoding (GQA and MLA targets,
-batch 1 and 4, device rounds, sampling), the drafts are exactly what training computes, one forward
+batch 1 and 4, device rounds, compiled drafting, sampling), the drafts are exactly what training computes, one forward
 per round, the file layout reloads equal, refusals in one line."""
 
 from __future__ import annotations
@@ -80,6 +80,31 @@ def test_device_rounds_and_every_k_up_to_the_block(tiny_models):
             prompts, MAX_NEW).tokens == refs
     with pytest.raises(UserError, match="at most 5"):
         SpecEngine(model, DFlashProposer(drafter, model), k=6).generate(prompts[:1], MAX_NEW)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_drafting_equals_plain_greedy_and_compiles_once_per_role(tiny_models, kind):
+    """With the engine's step compiled, the block forward and a round's observe run through
+    torch.compile (aot_eager: the traced and functionalised graph, eager kernels): batch 1 and 2,
+    per-step and device rounds, tokens equal plain greedy; each role compiles once per (batch, k),
+    the prompt's context written eagerly (no variant per prompt width)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = tiny_models(kind)
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    torch._dynamo.reset()
+    proposer = DFlashProposer(random_drafter(model), model)
+    for rounds in (0, 8):
+        engine = SpecEngine(model, proposer, k=4, compile="aot_eager", read_len="max", rounds=rounds)
+        for batch in (1, 2):
+            got = [t for i in range(0, len(prompts), batch) for t in engine.generate(prompts[i:i + batch],
+                                                                                    MAX_NEW).tokens]
+            assert got == refs, (rounds, batch)
+    for role in (DFlashProposer._greedy_eager, DFlashProposer._observe_eager):
+        assert len(_debug_get_cache_entry_list(role.__code__)) == 2, role  # batch 1 and batch 2
+    with pytest.raises(UserError, match="at most 5"):
+        SpecEngine(model, proposer, k=6, compile="aot_eager").generate(prompts[:1], MAX_NEW)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,9 +14,12 @@ device operation (``device_side``, ``device_rounds``).
 
 On CUDA with ``graphs=True`` and greedy drafting, ``propose`` replays the forward and its argmax
 as one CUDA graph per (batch, k); the cache (sized in steps of 512 positions) and its graphs are
-kept per batch size for later requests, as the EAGLE-3 proposer keeps its own.
+kept per batch size for later requests, as the EAGLE-3 proposer keeps its own. When the engine
+compiles its step, ``torch.compile`` fuses the greedy block forward (with its argmax) and a
+round's ``observe`` (the context's keys and values, their cache writes, the newest token) first,
+each once per static shape; the prompt's context is written eagerly (a width met once).
 
-Not done here: ``torch.compile`` of the forward, trees.
+Not done here: trees.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from outrider.decode.proposers.parallel import block_draws
 from outrider.decode.sampling import RowRandom
 from outrider.errors import UserError
 from outrider.heads.dflash import DFlashDrafter
-from outrider.ops.graphs import capture_graph
+from outrider.ops.graphs import capture_graph, compiled
 
 
 class DFlashCache:
@@ -73,6 +76,7 @@ class DFlashProposer(Proposer):
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
         self._pool: dict[int, tuple[DFlashCache, dict]] = {}  # graph mode: batch size -> (cache, graphs by k)
+        self._fused: dict[object, tuple] = {}  # compile options -> compiled (greedy block, observe)
 
     @classmethod
     def build(cls, target: torch.nn.Module, draft: DFlashDrafter = None, **options: object) -> "DFlashProposer":
@@ -89,13 +93,19 @@ class DFlashProposer(Proposer):
             self.cache, self._graphs = old  # stale entries sit past the lengths: never seen
             self.cache.lengths.zero_()
         else:
-            size = -(-ctx.max_len // 512) * 512 if self.use_graphs else ctx.max_len
+            size = -(-ctx.max_len // 512) * 512 if self.use_graphs or ctx.compile else ctx.max_len
             self.cache = DFlashCache(cfg.num_hidden_layers, B, size, cfg.num_key_value_heads, cfg.head_dim,
                                      self.drafter.fc.weight.dtype, dev)
             self._graphs: dict[int, tuple] = {}
             if self.use_graphs:
                 self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
+        self._greedy, self._observe = self._greedy_eager, self._observe_eager
+        if ctx.compile:  # compiled once per proposer and options
+            if ctx.compile not in self._fused:
+                self._fused[ctx.compile] = tuple(compiled(f, ctx.compile)
+                                                 for f in (self._greedy_eager, self._observe_eager))
+            self._greedy, self._observe = self._fused[ctx.compile]
         self.cache.last.copy_(ctx.last.to(dev))
         W = ctx.target_aux.shape[1]
         positions = torch.arange(W, device=dev)[None, :].expand(B, W)
@@ -125,14 +135,15 @@ class DFlashProposer(Proposer):
         h = self.drafter.block(embeds, positions, ctx, self.cache.mask(k + 1))  # [B, k+1, H]
         return self.drafter.compute_logits(h[:, 1:])
 
-    def _greedy(self, k: int) -> torch.Tensor:
+    def _greedy_eager(self, k: int) -> torch.Tensor:
+        # the greedy drafts [batch, k] as target ids
         return self.drafter.map_to_target(self._forward(k).argmax(-1))
 
     @torch.no_grad()
     def propose(self, k: int) -> Draft:
         if self.use_graphs:
+            self._check_k(k)  # a k past the block is refused before anything is compiled or captured
             if k not in self._graphs:
-                self._check_k(k)  # a k past the block is refused before anything is captured
                 self._graphs[k] = capture_graph(lambda: self._greedy(k), self.dev, warmups=2)
             graph, tokens = self._graphs[k]
             graph.replay()
@@ -144,16 +155,19 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose_device(self, k: int) -> torch.Tensor:
         """Greedy draft tokens [batch, k] as plain device operations."""
+        self._check_k(k)
         return self._greedy(k)
 
     @torch.no_grad()
     def observe(self, outcome: Outcome) -> None:
-        n_acc = outcome.num_accepted.to(self.dev)  # [batch]
-        D1 = outcome.tokens.shape[1]
-        j = torch.arange(D1, device=self.dev)
+        self._observe(outcome.target_aux, outcome.tokens.to(self.dev), outcome.num_accepted.to(self.dev))
+
+    def _observe_eager(self, aux: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor) -> None:
+        # aux [batch, D+1, n_aux * H_t] of the round's verified tokens [batch, D+1]; n_acc [batch] accepted drafts
+        j = torch.arange(tokens.shape[1], device=self.dev)
         positions = self.cache.lengths[:, None] + j  # [batch, D+1]: the root's position, then its accepted drafts'
-        self._commit(outcome.target_aux, positions, j[None, :] <= n_acc[:, None])
-        self.cache.last.copy_(outcome.tokens.to(self.dev).gather(1, n_acc[:, None])[:, 0])
+        self._commit(aux, positions, j[None, :] <= n_acc[:, None])
+        self.cache.last.copy_(tokens.gather(1, n_acc[:, None])[:, 0])
 
     def device_state(self) -> list[torch.Tensor]:
         return [self.cache.lengths, self.cache.last]
