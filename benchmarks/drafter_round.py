@@ -54,7 +54,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs where a proposer has them (EAGLE-3 chains)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the target's step")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the target's step and the drafting where a proposer fuses it (EAGLE-3, DFlash)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="3,5,7")
     ap.add_argument("--methods", default="eagle3,parallel,dflash")
