@@ -1,6 +1,6 @@
 """DFlash block drafters: the config and its engine fields, lossless decoding (GQA and MLA targets,
-batch 1 and 4, device rounds, compiled drafting, sampling), the drafts are exactly what training computes, one forward
-per round, the file layout reloads equal, refusals in one line."""
+batch 1 and 4, device rounds, compiled drafting, sampling), the drafts are exactly what training
+computes, one forward per round, the file layout reloads equal, refusals in one line."""
 
 from __future__ import annotations
 

@@ -142,8 +142,8 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose(self, k: int) -> Draft:
         if self.use_graphs:
-            self._check_k(k)  # a k past the block is refused before anything is compiled or captured
             if k not in self._graphs:
+                self._check_k(k)  # a k past the block is refused before anything is compiled or captured
                 self._graphs[k] = capture_graph(lambda: self._greedy(k), self.dev, warmups=2)
             graph, tokens = self._graphs[k]
             graph.replay()
