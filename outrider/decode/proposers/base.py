@@ -12,12 +12,13 @@ verified as a point mass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from outrider.decode.draft import Draft
 from outrider.decode.sampling import SamplingParams
-from outrider.ops.graphs import CompileOptions
+from outrider.ops.graphs import CompileOptions, compiled
 
 
 @dataclass
@@ -68,6 +69,16 @@ class Proposer:
 
     def start(self, ctx: StartContext) -> None:
         self.ctx = ctx
+
+    def fused(self, options: CompileOptions | None, *fns: Callable) -> tuple[Callable, ...]:
+        """``fns`` as they are (``options`` None: eager), or compiled by ``torch.compile`` under
+        ``options``, once per proposer and options (a proposer passes the same roles every time)."""
+        if not options:
+            return fns
+        variants = self.__dict__.setdefault("_fused", {})  # options -> the compiled roles
+        if options not in variants:
+            variants[options] = tuple(compiled(f, options) for f in fns)
+        return variants[options]
 
     def propose(self, k: int) -> Draft:
         raise NotImplementedError

@@ -32,7 +32,7 @@ from outrider.decode.proposers.parallel import block_draws
 from outrider.decode.sampling import RowRandom
 from outrider.errors import UserError
 from outrider.heads.dflash import DFlashDrafter
-from outrider.ops.graphs import capture_graph, compiled
+from outrider.ops.graphs import capture_graph
 
 
 class DFlashCache:
@@ -76,7 +76,6 @@ class DFlashProposer(Proposer):
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
         self._pool: dict[int, tuple[DFlashCache, dict]] = {}  # graph mode: batch size -> (cache, graphs by k)
-        self._fused: dict[object, tuple] = {}  # compile options -> compiled (greedy block, observe)
 
     @classmethod
     def build(cls, target: torch.nn.Module, draft: DFlashDrafter = None, **options: object) -> "DFlashProposer":
@@ -100,12 +99,7 @@ class DFlashProposer(Proposer):
             if self.use_graphs:
                 self._pool[B] = (self.cache, self._graphs)
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
-        self._greedy, self._observe = self._greedy_eager, self._observe_eager
-        if ctx.compile:  # compiled once per proposer and options
-            if ctx.compile not in self._fused:
-                self._fused[ctx.compile] = tuple(compiled(f, ctx.compile)
-                                                 for f in (self._greedy_eager, self._observe_eager))
-            self._greedy, self._observe = self._fused[ctx.compile]
+        self._greedy, self._observe = self.fused(ctx.compile, self._greedy_eager, self._observe_eager)
         self.cache.last.copy_(ctx.last.to(dev))
         W = ctx.target_aux.shape[1]
         positions = torch.arange(W, device=dev)[None, :].expand(B, W)

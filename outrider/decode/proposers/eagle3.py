@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from outrider.ops.graphs import capture_graph, compiled
+from outrider.ops.graphs import capture_graph
 from outrider.decode.draft import Draft
 from outrider.decode.proposers.base import Outcome, Proposer, StartContext
 from outrider.decode.proposers.head_cache import HeadCache, head_step
@@ -60,7 +60,6 @@ class Eagle3Proposer(Proposer):
         self.embedding = target.get_input_embeddings()
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
-        self._fused: dict[str, tuple] = {}  # backend -> compiled (step, greedy draw, alignment, greedy link)
         self._pool: dict[int, tuple[HeadCache, dict]] = {}  # graph mode: batch size -> (cache, its graphs)
         self._offsets: list[torch.Tensor] = []  # chain offsets as tensors; graphs read them: never replaced
         self._static_shape: Draft | None = None  # a static tree's structure on the device (parents, ancestry)
@@ -94,13 +93,9 @@ class Eagle3Proposer(Proposer):
         self.rand = RowRandom(B, ctx.sampling.seed, stream=2)
         if self._offsets and self._offsets[0].device != self.dev:  # moved: graphs of the old device are not replayed
             self._offsets = []
-        self._body, self._greedy_draw, self._align, self._link = (self._step_body, self._draw_greedy, _right_align,
-                                                                  self._link_greedy)
-        if ctx.compile:  # the pending step, the greedy draw and link, the alignment: fused by torch.compile
-            if ctx.compile not in self._fused:  # compiled once per proposer and options
-                self._fused[ctx.compile] = tuple(compiled(f, ctx.compile) for f in (
-                    self._step_body, self._draw_greedy, _right_align, self._link_greedy))
-            self._body, self._greedy_draw, self._align, self._link = self._fused[ctx.compile]
+        # the pending step, the greedy draw and link, the alignment: fused by torch.compile when the engine compiles
+        self._body, self._greedy_draw, self._align, self._link = self.fused(
+            ctx.compile, self._step_body, self._draw_greedy, _right_align, self._link_greedy)
         P = int(ctx.prompt_lens.max())
         # pairs (aux_t, x_{t+1}) for t = 0..P-1 of each prompt; x_P is the first emitted token
         nxt = torch.zeros(B, P, dtype=torch.long, device=self.dev)
