@@ -51,6 +51,28 @@ def test_device_rounds_equal_plain_greedy(tiny_models):
 
 
 @pytest.mark.parametrize("kind, attention", CASES)
+def test_compiled_drafting_equals_plain_greedy_and_compiles_once_per_batch(tiny_models, kind, attention):
+    """With the engine's step compiled, the greedy forward and its draws run through torch.compile
+    (aot_eager: the traced and functionalised graph, eager kernels): batch 1 and 2, per-step and
+    device rounds, tokens equal plain greedy; the forward compiles once per batch size, the prompt's
+    block runs eagerly (no variant per prompt width)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = tiny_models(kind)
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    torch._dynamo.reset()
+    proposer = ParallelProposer(_head(model, attention), model)
+    for rounds in (0, 8):
+        engine = SpecEngine(model, proposer, k=4, compile="aot_eager", read_len="max", rounds=rounds)
+        for batch in (1, 2):
+            got = [t for i in range(0, len(prompts), batch) for t in engine.generate(prompts[i:i + batch],
+                                                                                    MAX_NEW).tokens]
+            assert got == refs, (rounds, batch)
+    assert len(_debug_get_cache_entry_list(ParallelProposer._block_greedy.__code__)) == 2  # batch 1 and batch 2
+
+
+@pytest.mark.parametrize("kind, attention", CASES)
 def test_the_drafts_are_the_training_unroll_and_one_forward(tiny_models, kind, attention):
     """Every draft of every round is what TTT (placeholders at steps > 0) predicts at the round's
     position, and each round costs one head forward."""

@@ -9,8 +9,8 @@
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
 # EAGLE-3 head: eval-split against held-out prompts; split_check on its data), demowalk (the same on
 # the demo's head and data), regen (regen_rate: the data stage's replies per second, where a wave's time goes, a profile),
-# treeround (tree_round.py: a random head's chain and tree rounds), draftround (drafter_round.py: EAGLE-3
-# and DFlash drafting per round, eager and compiled), demotrees (the demo's head: chain and two trees
+# treeround (tree_round.py: a random head's chain and tree rounds), draftround (drafter_round.py: EAGLE-3,
+# P-EAGLE and DFlash drafting per round, eager and compiled), demotrees (the demo's head: chain and two trees
 # in one process). Each part writes its results into $RES and a `PART.done` marker before the next
 # starts; a part already done is skipped, so `start` again on the same machine resumes the chain.
 #   gpu_run.sh start [PART ...]   launch the job (default: every part) and return
@@ -120,12 +120,12 @@ part_treeround() {  # a random head's chain and tree rounds at this commit (bf16
   stage treeround-fp32 python3 benchmarks/tree_round.py --device cuda --dtype float32 --graphs --num-prompts 4 \
       --max-new-tokens 48 --repeats 1 --trees '1,3,4;4,3,16' --json $RES/tree-round-fp32.json
 }
-part_draftround() {  # drafting per round (random drafters, default target, bf16, graphs): EAGLE-3 and DFlash at
+part_draftround() {  # drafting per round (random drafters, default target, bf16, graphs): EAGLE-3, P-EAGLE, DFlash at
   # k = 3 and 5, batch 1 and 8, the target and drafters eager, then compiled
   stage draftround python3 benchmarks/drafter_round.py --device cuda --dtype bfloat16 --graphs \
-      --methods eagle3,dflash --ks 3,5 --json $RES/drafter-round-eager.json
+      --methods eagle3,parallel,dflash --ks 3,5 --json $RES/drafter-round-eager.json
   stage draftround-compiled python3 benchmarks/drafter_round.py --device cuda --dtype bfloat16 --graphs --compile \
-      --methods eagle3,dflash --ks 3,5 --json $RES/drafter-round-compiled.json
+      --methods eagle3,parallel,dflash --ks 3,5 --json $RES/drafter-round-compiled.json
 }
 part_shape() {
   stage shape python3 benchmarks/shape_change.py --json $RES/shape_change.json

@@ -72,13 +72,14 @@ class Proposer:
 
     def fused(self, options: CompileOptions | None, *fns: Callable) -> tuple[Callable, ...]:
         """``fns`` as they are (``options`` None: eager), or compiled by ``torch.compile`` under
-        ``options``, once per proposer and options (a proposer passes the same roles every time)."""
+        ``options``, once per proposer, options and role (a role is known by its function's name)."""
         if not options:
             return fns
-        variants = self.__dict__.setdefault("_fused", {})  # options -> the compiled roles
-        if options not in variants:
-            variants[options] = tuple(compiled(f, options) for f in fns)
-        return variants[options]
+        variants = self.__dict__.setdefault("_fused", {})  # (options, role name) -> the compiled role
+        for f in fns:
+            if (options, f.__name__) not in variants:
+                variants[options, f.__name__] = compiled(f, options)
+        return tuple(variants[options, f.__name__] for f in fns)
 
     def propose(self, k: int) -> Draft:
         raise NotImplementedError

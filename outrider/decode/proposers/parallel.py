@@ -15,21 +15,22 @@ placeholders give d_1 .. d_k: greedy through ``d2t``, or each sampled from its o
 On CUDA with ``graphs=True`` and greedy drafting, ``propose`` replays the forward and its draws
 as one CUDA graph per (batch, width, k), as the EAGLE-3 chain does (``Eagle3Proposer._replay``: the
 same cache pool, prompt padding and keys); in device rounds the engine captures ``propose_device``
-within its own round graph.
+within its own round graph. When the engine compiles its step, ``torch.compile`` fuses the greedy
+forward with its draws (once per batch and k; a prompt's block, of any width, runs eagerly) and
+the alignment of a round's accepted pairs (``Eagle3Proposer.observe``).
 
-Not done here: ``torch.compile`` of the forward (the engine's own step may still be compiled), trees.
+Not done here: trees.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 
 from outrider.decode.proposers.base import StartContext
 from outrider.decode.proposers.eagle3 import Eagle3Proposer
-from outrider.decode.proposers.head_cache import head_step
+from outrider.decode.proposers.head_cache import HeadCache, head_step
 from outrider.decode.sampling import RowRandom, SamplingParams, probs, sample
 
 
@@ -42,15 +43,16 @@ class ParallelProposer(Eagle3Proposer):
         super().__init__(head, target)
 
     def start(self, ctx: StartContext) -> None:
-        # the chain's compiled links do not apply to the one-forward draft; its graphs do (``_chain``)
-        super().start(dataclasses.replace(ctx, compile=None))
-        self.ctx = ctx
+        super().start(ctx)
+        self._block = self.fused(ctx.compile, self._block_greedy)[0]
 
-    def _forward(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-        """The one forward: hidden_out [batch, k, H] at the last real position and k - 1 placeholders."""
+    def _forward(self, cache: HeadCache, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int
+                 ) -> torch.Tensor:
+        """The one forward: hidden_out [batch, k, H] at the last real position and k - 1 placeholders
+        (their keys and values written past the committed ones; the caller commits the real pairs)."""
         # aux: [batch, n, n_aux * H_t]; nxt, valid: [batch, n]
         B = nxt.shape[0]
-        cache, head = self.cache, self.head
+        head = self.head
         hidden = head.fuse(aux.to(head.fc.weight.dtype))  # [batch, n, H]
         tokens = nxt
         if k > 1:
@@ -60,20 +62,26 @@ class ParallelProposer(Eagle3Proposer):
             valid = torch.cat([valid, valid.new_ones(B, k - 1)], dim=1)
         positions = cache.place(valid)  # [batch, n+k-1]: placeholders at P+1 .. P+k-1
         mask = cache.mask(positions[:, -k:], valid[:, -k:])  # [batch, 1, k, slots]
-        out = head_step(head, self.embedding, cache, tokens, hidden, positions, mask)  # [batch, k, H]
-        cache.lengths += valid[:, : nxt.shape[1]].sum(1)  # only the real pairs are committed
-        return out
+        return head_step(head, self.embedding, cache, tokens, hidden, positions, mask)  # [batch, k, H]
 
-    def _draws(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h [batch, k, H] -> target ids [batch, k], q [batch, k, vocab] or None (greedy)."""
-        return block_draws(self.head.compute_logits(h), self.head.map_to_target, self.ctx.sampling, self.rand,
-                           self.vocab)
+    def _block_greedy(self, cache: HeadCache, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int
+                      ) -> torch.Tensor:
+        """The forward and its greedy drafts as target ids [batch, k] (one compiled function)."""
+        return self.head.map_to_target(self.head.compute_logits(self._forward(cache, aux, nxt, valid, k)).argmax(-1))
 
     def _chain(self, aux: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, k: int, prompt: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one forward over the pending block and k - 1 placeholders, then the k draws: (tokens
-        [batch, k], q [batch, k, vocab] or None); what ``Eagle3Proposer.propose`` runs or replays."""
-        return self._draws(self._forward(aux, nxt, valid, k))
+        """The one forward over the pending block and k - 1 placeholders (eager for a prompt's block),
+        then the k draws: (tokens [batch, k], q [batch, k, vocab] or None); what
+        ``Eagle3Proposer.propose`` runs or replays."""
+        if self.ctx.sampling.greedy:
+            out = (self._block_greedy if prompt else self._block)(self.cache, aux, nxt, valid, k), None
+        else:
+            out = block_draws(self.head.compute_logits(self._forward(self.cache, aux, nxt, valid, k)),
+                              self.head.map_to_target, self.ctx.sampling, self.rand, self.vocab)
+        self.cache.lengths += valid.sum(1)  # only the real pairs are committed
+        return out
+
 
 def block_draws(logits: torch.Tensor, to_target: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
                 rand: RowRandom, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
