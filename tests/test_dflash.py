@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny import make_tiny, random_vocab
+from tiny import assert_compiled_greedy_is_plain, make_tiny, random_vocab
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers import PROPOSERS
@@ -92,15 +92,8 @@ def test_compiled_drafting_equals_plain_greedy_and_compiles_once_per_role(tiny_m
 
     model = tiny_models(kind)
     prompts = _prompts()
-    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
-    torch._dynamo.reset()
     proposer = DFlashProposer(random_drafter(model), model)
-    for rounds in (0, 8):
-        engine = SpecEngine(model, proposer, k=4, compile="aot_eager", read_len="max", rounds=rounds)
-        for batch in (1, 2):
-            got = [t for i in range(0, len(prompts), batch) for t in engine.generate(prompts[i:i + batch],
-                                                                                    MAX_NEW).tokens]
-            assert got == refs, (rounds, batch)
+    assert_compiled_greedy_is_plain(model, proposer, prompts, MAX_NEW)
     for role in (DFlashProposer._greedy_eager, DFlashProposer._observe_eager):
         assert len(_debug_get_cache_entry_list(role.__code__)) == 2, role  # batch 1 and batch 2
     with pytest.raises(UserError, match="at most 5"):

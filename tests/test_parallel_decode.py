@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import assert_rounds_are_the_ttt_unroll, random_head
+from tiny import assert_compiled_greedy_is_plain, assert_rounds_are_the_ttt_unroll, random_head
 
 from outrider.decode.engine import SpecEngine
 from outrider.decode.proposers import PROPOSERS
@@ -60,15 +60,8 @@ def test_compiled_drafting_equals_plain_greedy_and_compiles_once_per_batch(tiny_
 
     model = tiny_models(kind)
     prompts = _prompts()
-    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
-    torch._dynamo.reset()
     proposer = ParallelProposer(_head(model, attention), model)
-    for rounds in (0, 8):
-        engine = SpecEngine(model, proposer, k=4, compile="aot_eager", read_len="max", rounds=rounds)
-        for batch in (1, 2):
-            got = [t for i in range(0, len(prompts), batch) for t in engine.generate(prompts[i:i + batch],
-                                                                                    MAX_NEW).tokens]
-            assert got == refs, (rounds, batch)
+    assert_compiled_greedy_is_plain(model, proposer, prompts, MAX_NEW)
     assert len(_debug_get_cache_entry_list(ParallelProposer._block_greedy.__code__)) == 2  # batch 1 and batch 2
 
 

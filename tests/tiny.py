@@ -117,3 +117,18 @@ def assert_rounds_are_the_ttt_unroll(model, head, rounds, k: int) -> None:
             out = ttt_loss(head, model.get_input_embeddings(), aux, seq, torch.ones_like(seq), teacher, steps=k,
                            agree_map=True)
         assert out.agree[:, 0, L - 2].tolist() == [True] * k, (L, drafts)
+
+
+def assert_compiled_greedy_is_plain(model, proposer, prompts, max_new: int, k: int = 4) -> None:
+    """With the engine's step compiled (aot_eager), per-step and device rounds at batch 1 and 2 give
+    plain greedy's tokens; dynamo's caches are reset first, so a caller may count compiled variants."""
+    from outrider.decode.engine import SpecEngine
+
+    refs = SpecEngine(model, None).generate(prompts, max_new).tokens
+    torch._dynamo.reset()
+    for rounds in (0, 8):
+        engine = SpecEngine(model, proposer, k=k, compile="aot_eager", read_len="max", rounds=rounds)
+        for batch in (1, 2):
+            got = [t for i in range(0, len(prompts), batch) for t in engine.generate(prompts[i:i + batch],
+                                                                                    max_new).tokens]
+            assert got == refs, (rounds, batch)
