@@ -51,6 +51,7 @@ class DemoSize:
     train_budget_s: float = 0.0  # > 0: the training preset's time budget, replaced
     regen_budget_s: float = 0.0  # > 0: regeneration stops here; exchanges first in line go first
     regen_batch: int = 16  # replies regenerated per batch
+    regen_batch_tokens: int = 0  # > 0: positions per regeneration batch at most (``engine_generate_fn``)
 
 
 SIZES = {
@@ -70,38 +71,66 @@ SIZES = {
     "full": DemoSize(first=11000, later=9000, single=0, regen_tokens=256, max_length=1024, bench_prompts=30,
                      bench_tokens=128, k=5, train_preset="full", regen_batch=128),
     # one H100 or H200 in about 22 minutes: every first exchange, then later user turns each alone
-    # while 5.5 minutes of regeneration at 256 replies a batch last; 10 minutes of training
+    # while 5.5 minutes of regeneration at up to 256 replies a batch last; 10 minutes of training.
+    # A batch holds at most the positions of the full preset's largest (128 rows of a 1,023-token
+    # prompt and 256 new tokens), which fits one H100: 256 rows of long prompts did not
     "long": DemoSize(first=11000, later=0, single=60000, regen_tokens=256, max_length=1024, bench_prompts=30,
                      bench_tokens=128, k=5, train_preset="full", train_budget_s=600.0, regen_budget_s=330.0,
-                     regen_batch=256),
+                     regen_batch=256, regen_batch_tokens=128 * (1023 + 256)),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
 
 def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False, temperature: float = 0.0,
-                       seed: int = 0):
+                       seed: int = 0, max_batch_tokens: int = 0):
     """Token ids in, token ids out, through ``SpecEngine`` (batched): greedy, or sampled at
     ``temperature`` (> 0), batch i seeded ``derived_seed(seed, i)`` (its rows then draw from streams
-    ``RowRandom`` derives from that: no two rows of a run share one)."""
+    ``RowRandom`` derives from that: no two rows of a run share one).
+
+    Prompts go shortest first, at most ``batch_size`` a batch and, with ``max_batch_tokens`` > 0,
+    at most that many positions (rows x (longest prompt + ``max_new_tokens``)): long prompts go in
+    smaller batches. A batch the device has no memory for is run again as two halves (after the
+    engine lets go of its pooled caches), seeded ``derived_seed(batch seed, half)``; a single
+    prompt that does not fit raises. ``generate.splits`` counts the halvings."""
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
     batches = 0
+
+    def run(prompts: list[list[int]], max_new_tokens: int, batch_seed: int) -> list[list[int]]:
+        engine.sampling = SamplingParams(temperature=temperature, seed=batch_seed)
+        try:
+            return engine.generate(prompts, max_new_tokens).tokens
+        except torch.OutOfMemoryError:
+            if len(prompts) == 1:
+                raise
+        engine.release()  # outside the handler: its traceback holds the failed forward's tensors
+        torch.cuda.empty_cache()
+        generate.splits += 1
+        half = len(prompts) // 2
+        return (run(prompts[:half], max_new_tokens, derived_seed(batch_seed, 0))
+                + run(prompts[half:], max_new_tokens, derived_seed(batch_seed, 1)))
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         nonlocal batches
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
         by_index: dict[int, list[int]] = {}
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
-            engine.sampling = SamplingParams(temperature=temperature, seed=derived_seed(seed, batches))
+        s = 0
+        while s < len(order):
+            n = 1  # rows of this batch: the next prompts while they fit (the last one is the longest)
+            while (s + n < len(order) and n < batch_size and (not max_batch_tokens or (n + 1) * (
+                    len(prompts[order[s + n]]) + max_new_tokens) <= max_batch_tokens)):
+                n += 1
+            idx = order[s:s + n]
+            s += n
+            outs = run([prompts[i] for i in idx], max_new_tokens, derived_seed(seed, batches))
             batches += 1
-            for i, toks in zip(idx, engine.generate([prompts[i] for i in idx], max_new_tokens).tokens):
-                by_index[i] = toks
+            by_index.update(zip(idx, outs))
         return [by_index[i] for i in range(len(prompts))]
 
     generate.batch_size = batch_size  # the regeneration's wave size
     generate.engine = engine  # its target caches and graphs, for a benchmark's further waves
     generate.temperature = float(temperature)
     generate.seed = seed
+    generate.splits = 0
     return generate
 
 
@@ -206,7 +235,8 @@ def make_data(root: Path, size: DemoSize, model, eos: list[int], workers: int = 
     atomic_write_json(source, sharegpt.training_exchanges(corpus, size.first, size.later, size.single))
     build_dataset("default", str(source), str(data_dir), max_length=size.max_length, regenerate=True,
                   max_new_tokens=size.regen_tokens, regen_budget_s=size.regen_budget_s,
-                  generate_fn=engine_generate_fn(model, eos, batch_size=size.regen_batch, graphs=cuda),
+                  generate_fn=engine_generate_fn(model, eos, batch_size=size.regen_batch, graphs=cuda,
+                                                 max_batch_tokens=size.regen_batch_tokens),
                   progress=True, workers=workers)
     return True
 

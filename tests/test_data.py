@@ -696,6 +696,38 @@ def test_sampled_generate_fns_give_every_row_its_own_stream_and_leave_the_caller
         assert make(3).temperature == 1.0 and make(3).seed == 3
 
 
+def test_engine_generate_fn_keeps_batches_within_positions_and_halves_a_batch_out_of_memory(monkeypatch):
+    from outrider.decode.engine import SpecEngine
+    from outrider.demo import engine_generate_fn
+
+    model = make_tiny("llama", 1)
+    prompts = [[3, 94] + [7 + j for j in range(n)] + [2, 3, 95] for n in (1, 9, 2, 14, 3)]
+    single = [engine_generate_fn(model, [2], batch_size=1)([p], 6)[0] for p in prompts]
+    real, seen, released = SpecEngine.generate, [], []
+
+    def tracked(self, batch, max_new_tokens, k=None):
+        seen.append(len(batch) * (max(map(len, batch)) + max_new_tokens))
+        if len(batch) > 2:  # a device that holds two rows at most
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, batch, max_new_tokens, k)
+
+    monkeypatch.setattr(SpecEngine, "generate", tracked)
+    monkeypatch.setattr(SpecEngine, "release", lambda self: released.append(1))
+    fn = engine_generate_fn(model, [2], batch_size=4, max_batch_tokens=3 * (8 + 6))
+    assert fn(prompts, 6) == single  # each reply as its prompt alone gets it, in the order asked
+    # shortest first: three prompts of up to 8 tokens fit 42 positions, the two longer ones go alone;
+    # the first batch (3 rows) fails, and its halves (1 row, 2 rows) run
+    assert seen == [3 * (8 + 6), 1 * (6 + 6), 2 * (8 + 6), 14 + 6, 19 + 6]
+    assert fn.splits == 1 and released == [1]
+    fn = engine_generate_fn(model, [2], batch_size=4)  # no position limit: four rows (which fail, then
+    seen.clear()                                         # run as two and two), then one
+    assert fn(prompts, 6) == single and fn.splits == 1 and len(seen) == 1 + 2 + 1
+    monkeypatch.setattr(SpecEngine, "generate", lambda self, batch, n, k=None: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+    with pytest.raises(torch.OutOfMemoryError):  # one prompt that does not fit: nothing to halve
+        engine_generate_fn(model, [2], batch_size=1)([prompts[0]], 6)
+
+
 def test_hf_generate_fn_batches_match_single_prompts():
     model = make_tiny("llama", 1)
     fn = hf_generate_fn(model, pad_token_id=0, end_ids=[2], batch_size=3)

@@ -228,6 +228,15 @@ class SpecEngine:
         lm.reset()
         return lm
 
+    def release(self) -> None:
+        """Let go of every pooled target cache and device round (their KV slots and graphs), as after
+        a failed allocation: the next call builds what it needs again."""
+        for lm in self._pool.values():
+            self._drop(lm)
+        self._pool.clear()
+        self.rounds_pool.clear()
+        self.rounds_runner = None
+
     def _drop(self, lm: CachedLM) -> None:
         """Close a target cache the pool lets go, and forget the device rounds built on it (they hold it)."""
         lm.close()
