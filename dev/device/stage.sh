@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Staging the default model and data on a GPU machine with no network (the lent H200), in two
-# calls that each carry under 64 MiB: the GGUF is cut in two parts, ShareGPT is xz-compressed.
+# calls that each carry under 64 MiB with the tree: the GGUF is xz-compressed and cut in two parts,
+# ShareGPT is xz-compressed.
 # Prepared here by `bash dev/device/prepare.sh` (git-ignored .dev/ and .whl/).
 #   call 1: bash dev/device/stage.sh 1     (carry .dev/stage1)
 #   call 2: bash dev/device/stage.sh 2     (carry .dev/stage2 .whl), within 30 s of call 1
@@ -11,11 +12,11 @@
 set -euo pipefail
 mkdir -p /tmp/src
 case "$1" in
-1) cp .dev/stage1/gguf.part00 /tmp/src/
+1) cp .dev/stage1/g.xz.00 /tmp/src/
    nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)";;
-2) [ -f /tmp/src/gguf.part00 ] || { echo "no part 1: the machine was released; run call 1 again"; exit 3; }
-   cat /tmp/src/gguf.part00 .dev/stage2/gguf.part01 > /tmp/src/SmolLM2-135M-Instruct.Q4_1.gguf
-   rm /tmp/src/gguf.part00
+2) [ -f /tmp/src/g.xz.00 ] || { echo "no part 1: the machine was released; run call 1 again"; exit 3; }
+   cat /tmp/src/g.xz.00 .dev/stage2/g.xz.01 | xz -dc > /tmp/src/SmolLM2-135M-Instruct.Q4_1.gguf
+   rm /tmp/src/g.xz.00
    xz -dc .dev/stage2/sharegpt.json.xz > /tmp/src/ShareGPT_V3_unfiltered_cleaned_split.json
    rm -rf /tmp/tree; mkdir -p /tmp/tree; cp -a . /tmp/tree; cd /tmp/tree
    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
