@@ -81,15 +81,37 @@ SIZES = {
 K_RANGE = range(2, 9)  # chain lengths the demo considers
 
 
+ROW_STEP = 32  # a batch cut by its positions keeps a multiple of this many rows: few batch sizes, few target caches
+
+
+def regen_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int = 0, max_new_tokens: int = 0
+                  ) -> list[list[int]]:
+    """Prompt indices in batches, shortest prompts first: at most ``batch_size`` rows and, with
+    ``max_batch_tokens`` > 0, at most that many positions (rows x (the batch's longest prompt +
+    ``max_new_tokens``)); a batch the positions cut to more than ``ROW_STEP`` rows keeps a multiple
+    of ``ROW_STEP`` (each batch size holds a target cache of its own in the engine's pool)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths per batch
+    out, s = [], 0
+    while s < len(order):
+        n = min(batch_size, len(order) - s)
+        if max_batch_tokens:  # the rows whose longest (last) prompt still fits, one at least
+            fit = 1
+            while fit < n and (fit + 1) * (lengths[order[s + fit]] + max_new_tokens) <= max_batch_tokens:
+                fit += 1
+            n = fit if fit == n or fit <= ROW_STEP else fit - fit % ROW_STEP
+        out.append(order[s:s + n])
+        s += n
+    return out
+
+
 def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False, temperature: float = 0.0,
                        seed: int = 0, max_batch_tokens: int = 0):
     """Token ids in, token ids out, through ``SpecEngine`` (batched): greedy, or sampled at
     ``temperature`` (> 0), batch i seeded ``derived_seed(seed, i)`` (its rows then draw from streams
     ``RowRandom`` derives from that: no two rows of a run share one).
 
-    Prompts go shortest first, at most ``batch_size`` a batch and, with ``max_batch_tokens`` > 0,
-    at most that many positions (rows x (longest prompt + ``max_new_tokens``)): long prompts go in
-    smaller batches. A batch the device has no memory for is run again as two halves (after the
+    Prompts go in ``regen_batches``: shortest first, at most ``batch_size`` a batch and, with
+    ``max_batch_tokens`` > 0, at most that many positions: long prompts go in smaller batches. A batch the device has no memory for is run again as two halves (after the
     engine lets go of its pooled caches), seeded ``derived_seed(batch seed, half)``; a single
     prompt that does not fit raises. ``generate.splits`` counts the halvings."""
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
@@ -111,16 +133,8 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         nonlocal batches
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
         by_index: dict[int, list[int]] = {}
-        s = 0
-        while s < len(order):
-            n = 1  # rows of this batch: the next prompts while they fit (the last one is the longest)
-            while (s + n < len(order) and n < batch_size and (not max_batch_tokens or (n + 1) * (
-                    len(prompts[order[s + n]]) + max_new_tokens) <= max_batch_tokens)):
-                n += 1
-            idx = order[s:s + n]
-            s += n
+        for idx in regen_batches([len(p) for p in prompts], batch_size, max_batch_tokens, max_new_tokens):
             outs = run([prompts[i] for i in idx], max_new_tokens, derived_seed(seed, batches))
             batches += 1
             by_index.update(zip(idx, outs))

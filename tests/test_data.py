@@ -696,6 +696,27 @@ def test_sampled_generate_fns_give_every_row_its_own_stream_and_leave_the_caller
         assert make(3).temperature == 1.0 and make(3).seed == 3
 
 
+def test_regen_batches_bound_rows_and_positions_in_few_batch_sizes():
+    from outrider.demo import ROW_STEP, regen_batches
+
+    lengths = [300 + (7 * i) % 700 for i in range(2000)]  # prompts of 300-999 tokens, shuffled
+    batches = regen_batches(lengths, 256, 128 * (1023 + 256), 256)
+    assert sorted(i for b in batches for i in b) == list(range(2000))  # every prompt once
+    flat = [i for b in batches for i in b]
+    assert [lengths[i] for i in flat] == sorted(lengths)  # shortest first
+    for b in batches:
+        assert len(b) <= 256 and len(b) * (max(lengths[i] for i in b) + 256) <= 128 * (1023 + 256)
+        assert len(b) % ROW_STEP == 0 or b is batches[-1]  # cut by positions: whole steps of rows
+    assert len({len(b) for b in batches}) <= 256 // ROW_STEP + 1
+    at, ordered = 0, sorted(lengths)
+    for b in batches[:-1]:  # as large as the bounds allow: ROW_STEP more rows would not fit
+        at += len(b)
+        assert len(b) == 256 or (len(b) + ROW_STEP) * (ordered[at + ROW_STEP - 1] + 256) > 128 * (1023 + 256)
+    assert len(batches[0]) == 224 and len(batches[-2]) == 128  # of the shortest prompts; of the longest
+    assert regen_batches([5, 3, 4], 2) == [[1, 2], [0]]  # no position bound: batch_size rows
+    assert regen_batches([900, 10], 4, 100, 50) == [[1], [0]]  # a prompt past the bound still goes, alone
+
+
 def test_engine_generate_fn_keeps_batches_within_positions_and_halves_a_batch_out_of_memory(monkeypatch):
     from outrider.decode.engine import SpecEngine
     from outrider.demo import engine_generate_fn
