@@ -262,8 +262,10 @@ def data_note(data_dir: Path) -> str:
     over = regen.get("over_budget", 0)
     budget = (f" in {regen.get('seconds', 0):.0f} s ({over} left when the {regen['budget_s']:.0f}-s budget ran out)"
               if regen.get("budget_s") else "")
-    return (f"data: {regen.get('conversations', 0)} exchanges regenerated{budget}; {counts.get('kept', 0)} examples "
-            f"kept ({counts.get('train', 0)} train, {counts.get('eval', 0)} eval), "
+    halved = (f" ({regen['batches_halved']} batches out of GPU memory, run again as halves)"
+              if regen.get("batches_halved") else "")
+    return (f"data: {regen.get('conversations', 0)} exchanges regenerated{budget}{halved}; "
+            f"{counts.get('kept', 0)} examples kept ({counts.get('train', 0)} train, {counts.get('eval', 0)} eval), "
             f"{(m.get('splits') or {}).get('train', {}).get('loss_tokens', 0)} learned train tokens")
 
 

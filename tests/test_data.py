@@ -665,6 +665,22 @@ def test_regenerate_sampled_at_a_temperature(tmp_path, tiny_target):
     assert _replies(tmp_path / "b") == _replies(tmp_path / "c")
 
 
+def test_regeneration_records_batches_the_device_halved(tmp_path, target):
+    from outrider.demo import data_note
+
+    src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(2)])
+    fn = hf_generate_fn(make_tiny("llama", 0), 0, [2])
+    build_dataset(target, src, str(tmp_path / "a"), regenerate=True, max_new_tokens=4, eval_fraction=0.0,
+                  generate_fn=fn, progress=False)
+    assert "batches_halved" not in read_manifest(tmp_path / "a")["regenerate"]
+    assert "out of GPU memory" not in data_note(tmp_path / "a")
+    fn.splits = 3  # as engine_generate_fn counts the batches it ran again as halves
+    build_dataset(target, src, str(tmp_path / "b"), regenerate=True, max_new_tokens=4, eval_fraction=0.0,
+                  generate_fn=fn, progress=False)
+    assert read_manifest(tmp_path / "b")["regenerate"]["batches_halved"] == 3
+    assert "(3 batches out of GPU memory, run again as halves)" in data_note(tmp_path / "b")
+
+
 def test_sampling_settings_are_checked(tmp_path, target):
     src = write_json(tmp_path / "d.json", [sharegpt_record(c, t) for c, t in many_conversations(2)])
     with pytest.raises(UserError, match="--regenerate"):

@@ -358,4 +358,6 @@ def regenerate_conversations(conversations: list[Conversation], tokenizer, targe
             "server_refusal": refusals[0] if refusals else None}
     if budget_s > 0:
         info.update(budget_s=budget_s, over_budget=over_budget, seconds=round(time.perf_counter() - start, 1))
+    if getattr(generate_fn, "splits", 0):  # batches the device had no memory for, run again as halves
+        info["batches_halved"] = generate_fn.splits
     return out, info
