@@ -111,9 +111,10 @@ def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = Fals
     ``RowRandom`` derives from that: no two rows of a run share one).
 
     Prompts go in ``regen_batches``: shortest first, at most ``batch_size`` a batch and, with
-    ``max_batch_tokens`` > 0, at most that many positions: long prompts go in smaller batches. A batch the device has no memory for is run again as two halves (after the
-    engine lets go of its pooled caches), seeded ``derived_seed(batch seed, half)``; a single
-    prompt that does not fit raises. ``generate.splits`` counts the halvings."""
+    ``max_batch_tokens`` > 0, at most that many positions: long prompts go in smaller batches. A
+    batch the device has no memory for is run again as two halves (after the engine lets go of its
+    pooled caches), seeded ``derived_seed(batch seed, half)``; a single prompt that does not fit
+    raises. ``generate.splits`` counts the halvings."""
     engine = SpecEngine(model, None, eos_ids=eos_ids, graphs=graphs)
     batches = 0
 
