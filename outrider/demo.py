@@ -32,6 +32,7 @@ from outrider.ops.seeds import derived_seed
 from outrider.plan.acceptance import Acceptance
 from outrider.plan.planner import plan
 from outrider.train.data.prepare import build_dataset
+from outrider.train.data.regenerate import regen_batches
 from outrider.train.loop.trainer import train
 from outrider.train.options import TrainOptions
 from outrider.records import new_record, write_records
@@ -79,29 +80,6 @@ SIZES = {
                      regen_batch=256, regen_batch_tokens=128 * (1023 + 256)),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
-
-
-ROW_STEP = 32  # a batch cut by its positions keeps a multiple of this many rows: few batch sizes, few target caches
-
-
-def regen_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int = 0, max_new_tokens: int = 0
-                  ) -> list[list[int]]:
-    """Prompt indices in batches, shortest prompts first: at most ``batch_size`` rows and, with
-    ``max_batch_tokens`` > 0, at most that many positions (rows x (the batch's longest prompt +
-    ``max_new_tokens``)); a batch the positions cut to more than ``ROW_STEP`` rows keeps a multiple
-    of ``ROW_STEP`` (each batch size holds a target cache of its own in the engine's pool)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths per batch
-    out, s = [], 0
-    while s < len(order):
-        n = min(batch_size, len(order) - s)
-        if max_batch_tokens:  # the rows whose longest (last) prompt still fits, one at least
-            fit = 1
-            while fit < n and (fit + 1) * (lengths[order[s + fit]] + max_new_tokens) <= max_batch_tokens:
-                fit += 1
-            n = fit if fit == n or fit <= ROW_STEP else fit - fit % ROW_STEP
-        out.append(order[s:s + n])
-        s += n
-    return out
 
 
 def engine_generate_fn(model, eos_ids, batch_size: int = 16, graphs: bool = False, temperature: float = 0.0,

@@ -713,7 +713,7 @@ def test_sampled_generate_fns_give_every_row_its_own_stream_and_leave_the_caller
 
 
 def test_regen_batches_bound_rows_and_positions_in_few_batch_sizes():
-    from outrider.demo import ROW_STEP, regen_batches
+    from outrider.train.data.regenerate import ROW_STEP, regen_batches
 
     lengths = [300 + (7 * i) % 700 for i in range(2000)]  # prompts of 300-999 tokens, shuffled
     batches = regen_batches(lengths, 256, 128 * (1023 + 256), 256)

@@ -112,6 +112,29 @@ def _cut_at_end(ids: Sequence[int], end: set[int]) -> list[int]:
     return out
 
 
+ROW_STEP = 32  # a batch cut by its positions keeps a multiple of this many rows: few batch sizes, few target caches
+
+
+def regen_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int = 0, max_new_tokens: int = 0
+                  ) -> list[list[int]]:
+    """Prompt indices in batches, shortest prompts first: at most ``batch_size`` rows and, with
+    ``max_batch_tokens`` > 0, at most that many positions (rows x (the batch's longest prompt +
+    ``max_new_tokens``)); a batch the positions cut to more than ``ROW_STEP`` rows keeps a multiple
+    of ``ROW_STEP`` (each batch size holds a target cache of its own in the engine's pool)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths per batch
+    out, s = [], 0
+    while s < len(order):
+        n = min(batch_size, len(order) - s)
+        if max_batch_tokens:  # the rows whose longest (last) prompt still fits, one at least
+            fit = 1
+            while fit < n and (fit + 1) * (lengths[order[s + fit]] + max_new_tokens) <= max_batch_tokens:
+                fit += 1
+            n = fit if fit == n or fit <= ROW_STEP else fit - fit % ROW_STEP
+        out.append(order[s:s + n])
+        s += n
+    return out
+
+
 def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size: int = 8,
                    temperature: float = 0.0, seed: int = 0) -> GenerateFn:
     """A ``generate_fn`` from a Hugging Face causal LM: ``model.generate``, left-padded batches; greedy,
@@ -128,14 +151,12 @@ def hf_generate_fn(model, pad_token_id: int, end_ids: Iterable[int], batch_size:
         cuda = device.type == "cuda"
         index = torch.cuda.current_device() if cuda and device.index is None else device.index
         out: list[list[int]] = [[] for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         sampled = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0,
                    "typical_p": 1.0, "repetition_penalty": 1.0}  # none of the model's own settings
         config = GenerationConfig(**(sampled if temperature > 0 else {"do_sample": False}),
                                   max_new_tokens=int(max_new_tokens), pad_token_id=pad_token_id,
                                   eos_token_id=end or None)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start: start + batch_size]
+        for chunk in regen_batches([len(p) for p in prompts], batch_size):
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)  # [batch, seq]
             attn = torch.zeros((len(chunk), width), dtype=torch.long)  # [batch, seq]
