@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 from tree_round import random_head
 
-from outrider.bench.local import load_prompts
+from outrider.bench.local import load_prompts, verdict_cell
 from outrider.bench.verdict import judge
 from outrider.decode.engine import SpecEngine, eos_token_ids
 from outrider.decode.proposers import PROPOSERS
@@ -101,8 +101,7 @@ def main() -> int:
                 verdict = judge(model, prompts, plain, [outs], k)
                 row = {"method": method, "batch": b, "k": k, "rounds": steps, "tau": tau,
                        "draft_ms": 1e3 * propose / steps, "verify_ms": 1e3 * verify / steps,
-                       "planned_draft_ms": 1e3 * planned, "equal_to_greedy": outs == plain, **verdict.record(),
-                       "verdict_cell": verdict.short()}
+                       "planned_draft_ms": 1e3 * planned, "equal_to_greedy": outs == plain, **verdict.record()}
                 rows.append(row)
                 print(f"b={b} k={k} {method:8}: draft {row['draft_ms']:.2f} ms per round (planned "
                       f"{row['planned_draft_ms']:.2f} on {a.hardware}), verify {row['verify_ms']:.2f}, tau "
@@ -111,7 +110,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['k']} | {r['method']} | {r['draft_ms']:.2f} | {r['planned_draft_ms']:.2f} | "
-              f"{r['verify_ms']:.2f} | {r['verdict_cell']} |")
+              f"{r['verify_ms']:.2f} | {verdict_cell(r)} |")
     if a.json:
         write_json_output(a.json, {"target": a.target, "dflash_layers": a.dflash_layers, "graphs": a.graphs,
                                    "compile": a.compile, "max_new_tokens": a.max_new_tokens, "rows": rows,
