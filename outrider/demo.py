@@ -12,6 +12,7 @@ Not done here: anything the stage verbs do not do; the demo only chains them.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +206,7 @@ def demo(preset: str | None = None, out: str = "outrider-demo", console=None, wo
     times["export"] = time.perf_counter() - t
 
     _write_head_link(root, head_dir)
-    summary = _summary(preset, records, times, export_note, root / "bench.json")
+    summary = _summary(preset, records, times, export_note, root / "bench.json", last_walk(train_dir))
     atomic_write_text(root / "summary.md", summary)
     console.print(summary)
     from outrider.report.page import write_report
@@ -311,7 +312,7 @@ def ar_record(paired: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float], export_note: str,
-             bench_path: Path) -> str:
+             bench_path: Path, walked: tuple[int, float] | None = None) -> str:
     lines = [f"# outrider demo ({preset})", "",
              "| method | k | tau | tokens/s | speedup vs AR (end to end) | decode speedup | lossless |",
              "|---|---|---|---|---|---|---|"]
@@ -326,6 +327,8 @@ def _summary(preset: str, records: list[dict[str, Any]], times: dict[str, float]
               "stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), export_note, ""]
     if dev == "cpu":
         lines += cpu_explanation(records[-1], bench_path)
+    else:
+        lines += speed_explanation(records[-1], walked)
     return "\n".join(lines)
 
 
@@ -351,6 +354,38 @@ def cpu_explanation(eagle: dict[str, Any], bench_path: Path) -> list[str]:
                      "machine `outrider demo` trains a better head on about 20,000 exchanges and measures its speed-ups "
                      "(benchmarks/RESULTS.md).")
     return lines
+
+
+def speed_explanation(eagle: dict[str, Any], walked: tuple[int, float] | None) -> list[str]:
+    """Where a GPU run's speed-up comes from, in its measured terms: a round's cost in plain decoding
+    steps, the decode bound ``tau x AR / (verify + draft)`` that cost sets, the tau a 2x would need
+    at it, and (``walked``: the trainer's last ``(tau_k, walked tau)`` on its eval split) the head's
+    acceptance on held-out training text beside the bench's on held-out prompts."""
+    k, tau, ar = eagle["k"], eagle["tau"], eagle["ar_step_ms"]
+    cost = (eagle["verify_step_ms"] + eagle["draft_step_ms"]) / ar  # plain steps per round
+    decode = eagle.get("decode_speedup_vs_ar", eagle["speedup_vs_ar"])
+    lines = ["## Where the speed-up comes from",
+             f"A round of k = {k} costs {cost:.2f} plain decoding steps (verification {eagle['verify_step_ms']:.2f} "
+             f"ms and drafting {eagle['draft_step_ms']:.2f} ms against a plain step of {ar:.2f} ms) and yields "
+             f"tau = {tau:.2f} tokens: at most {tau / cost:.2f}x in decode, measured {decode:.2f}x "
+             f"({eagle['speedup_vs_ar']:.2f}x end to end). At these costs 2x in decode needs tau >= {2 * cost:.2f}."]
+    if walked is not None:
+        tau_k, walk = walked
+        same = "the same k" if tau_k == k else f"k = {tau_k}, the bench's is {k}"
+        lines.append(f"The trainer's walked tau on its eval split (texts held out by opening) was {walk:.2f} "
+                     f"({same}) against the bench's {tau:.2f} on held-out prompts.")
+    return lines
+
+
+def last_walk(run: Path) -> tuple[int, float] | None:
+    """``(tau_k, walked tau)`` of the last evaluation of the training run in ``run``
+    (``train_config.json``, ``metrics.jsonl``); None when it has none."""
+    if not (run / "train_config.json").exists() or not (run / "metrics.jsonl").exists():
+        return None
+    tau_k = (read_json(run / "train_config.json", "training settings").get("config") or {}).get("tau_k")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    walks = [r["walk_tau_k"] for r in rows if r.get("type") == "eval" and "walk_tau_k" in r]
+    return None if tau_k is None or not walks else (int(tau_k), float(walks[-1]))
 
 
 class _Quiet:

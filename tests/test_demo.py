@@ -1,12 +1,13 @@
-"""The demo's choices: the chain length it picks from a measured record, and the CPU summary's
-explanation, which states the measured cost ratios and the planner's GPU prediction."""
+"""The demo's choices: the chain length it picks from a measured record, the CPU summary's
+explanation, which states the measured cost ratios and the planner's GPU prediction, and the GPU
+summary's, which states a round's cost, the bound it sets and the trainer's walked tau beside the bench's."""
 
 import json
 
 import pytest
 
 from outrider import sharegpt
-from outrider.demo import ar_record, choose_k, cpu_explanation
+from outrider.demo import ar_record, choose_k, cpu_explanation, last_walk, speed_explanation
 
 
 def _record(rates, verify_ms, draft_ms, k=5):
@@ -41,6 +42,30 @@ def test_cpu_explanation_states_the_measured_ratios_and_a_gpu_prediction(tmp_pat
     text = "\n".join(cpu_explanation(rec, path))
     assert "just above the 1.20 it needs to pay, hence 1.03x" in text
     assert "The planner predicts" in text and "H200" in text
+
+
+def test_the_gpu_explanation_states_the_rounds_cost_the_bound_and_the_walked_tau(tmp_path):
+    # the H100 demo of 33e4d0b: tau 2.63, verification 1.51 ms, drafting 0.47 ms, a plain step 1.26 ms
+    rec = _record([0.598, 0.406, 0.285, 0.199, 0.149], verify_ms=1.51, draft_ms=0.47)
+    rec.update(ar_step_ms=1.26, tau=2.63, speedup_vs_ar=1.67, decode_speedup_vs_ar=1.70)
+    text = "\n".join(speed_explanation(rec, (5, 3.07)))
+    assert "costs 1.57 plain decoding steps" in text  # (1.51 + 0.47) / 1.26
+    assert "at most 1.67x in decode, measured 1.70x (1.67x end to end)" in text  # 2.63 / 1.571
+    assert "2x in decode needs tau >= 3.14" in text
+    assert "walked tau on its eval split (texts held out by opening) was 3.07 (the same k) against the bench's 2.63" in text
+    assert "k = 6, the bench's is 5" in "\n".join(speed_explanation(rec, (6, 3.07)))
+    assert "walked" not in "\n".join(speed_explanation(rec, None))
+
+
+def test_last_walk_reads_the_runs_last_evaluation(tmp_path):
+    assert last_walk(tmp_path) is None  # no run here
+    (tmp_path / "train_config.json").write_text(json.dumps({"config": {"tau_k": 5}}))
+    rows = [{"type": "train", "step": 1}, {"type": "eval", "step": 500, "walk_tau_k": 2.4},
+            {"type": "eval", "step": 900, "sim_tau_k": 2.9}, {"type": "eval", "step": 1000, "walk_tau_k": 2.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert last_walk(tmp_path) == (5, 2.7)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert last_walk(tmp_path) is None  # no evaluation walked
 
 
 def test_the_ar_row_carries_the_ar_passes_and_none_of_the_methods_figures():
@@ -104,6 +129,9 @@ def test_the_summary_shows_each_rows_lossless_verdict(tmp_path):
     assert rows[1].endswith("| reference |") and rows[2].endswith("| NO |") and rows[3].endswith("| ties 3 |")
     assert "lossless, ngram k = 2: NO: prompt 2, token 9, margin 6.5" in text
     assert "lossless, eagle3 k = 2: equal up to 3 near-ties (largest margin 0.125, bound 1)" in text
+    assert "## Where the speed-up comes from" in text and "walked" not in text  # a GPU run; no training log given
+    text = _summary("full", [ar_record(paired), ngram, paired], {"bench": 1.0}, "exported", tmp_path / "b.json", (2, 2.5))
+    assert "was 2.50 (the same k) against the bench's 2.00" in text
 
 
 def test_every_demo_preset_is_offered_and_trains_with_a_known_preset():
