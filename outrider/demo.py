@@ -73,11 +73,13 @@ SIZES = {
     "full": DemoSize(first=11000, later=9000, single=0, regen_tokens=256, max_length=1024, bench_prompts=30,
                      bench_tokens=128, k=5, train_preset="full", regen_batch=128),
     # one H100 or H200 in about 22 minutes: every first exchange, then later user turns each alone
-    # while 5.5 minutes of regeneration at up to 256 replies a batch last; 10 minutes of training.
-    # A batch holds at most the positions of the full preset's largest (128 rows of a 1,023-token
-    # prompt and 256 new tokens), which fits one H100: 256 rows of long prompts did not
+    # while 7.5 minutes of regeneration at up to 256 replies a batch last; 8 minutes of training (its
+    # head walked 3.02 at 8 minutes and 3.07 at 10 on 5.5 minutes' data, 10 passes over it: the data,
+    # not the steps, bounds it; benchmarks/RESULTS.md, "The `long` sizes"). A batch holds at most the
+    # positions of the full preset's largest (128 rows of a 1,023-token prompt and 256 new tokens),
+    # which fits one H100: 256 rows of long prompts did not
     "long": DemoSize(first=11000, later=0, single=60000, regen_tokens=256, max_length=1024, bench_prompts=30,
-                     bench_tokens=128, k=5, train_preset="full", train_budget_s=600.0, regen_budget_s=330.0,
+                     bench_tokens=128, k=5, train_preset="full", train_budget_s=480.0, regen_budget_s=450.0,
                      regen_batch=256, regen_batch_tokens=128 * (1023 + 256)),
 }
 K_RANGE = range(2, 9)  # chain lengths the demo considers
