@@ -39,6 +39,7 @@ from outrider.fsutil import atomic_write_json
 from outrider.interop.checkpoint import load_head
 from outrider.interop.engines import kv_bytes_per_token
 from outrider.models import load_model, resolve
+from outrider.ops.graphs import capture_graph
 from outrider.train.data.prepare import build_dataset
 from outrider.train.loop.trainer import train
 from outrider.train.options import TrainOptions
@@ -117,14 +118,7 @@ def step_cost(head, embedding, device: torch.device, context: int, batch: int, r
     for _ in range(3):
         step()
     if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = capture_graph(step, device, warmups=1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         start.record()

@@ -377,3 +377,26 @@ def test_pooled_target_caches_are_bounded_least_recently_used_first(tiny_models,
     assert closed == [2] and sorted(b for b, _ in engine._pool) == [1, 3] and list(engine.rounds_pool) == [(1, 3)]
     engine._target_lm(1, 2000, None)  # too short for this prompt: replaced, not kept beside the new one
     assert closed == [2, 1] and made == [1, 2, 3, 1] and len(engine._pool) == 2 and not engine.rounds_pool
+
+
+def test_the_collector_is_held_off_while_a_graph_is_captured_and_restored_after():
+    """A collection inside a capture could free an earlier engine's dead graph, whose reset
+    invalidates the capture: ``capture_graph`` captures inside ``collector_off``."""
+    import gc
+
+    from outrider.ops.graphs import collector_off
+
+    assert gc.isenabled()
+    with collector_off():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_off():
+        raise RuntimeError("a capture that fails")
+    assert gc.isenabled()  # restored after a failure too
+    gc.disable()
+    try:
+        with collector_off():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a collector off before stays off
+    finally:
+        gc.enable()

@@ -60,6 +60,28 @@ def test_graphs_equal_transformers(tiny_kind, cuda_models, method, compile):
         assert graphs[0] is not None and graphs[1] is graphs[0]
 
 
+def test_graphs_equal_while_a_dead_engines_graphs_await_collection(tiny_kind, cuda_models):
+    """An engine left in a reference cycle keeps its CUDA graphs until a collection; a collection
+    during the next engine's capture would reset one of them there (drafter_round.py's second
+    engine at batch 8 on an H100 at 43a75ae: the capture invalidated, then CUBLAS_STATUS_EXECUTION_FAILED).
+    With collections after every allocation, the next engine still captures and decodes exactly."""
+    import gc
+
+    model, refs = cuda_models(tiny_kind)
+    dead = SpecEngine(model, NgramProposer(1, 3), k=3, graphs=True)
+    assert dead.generate(_prompts(), MAX_NEW).tokens == refs
+    dead.cycle = dead  # collectable only by the cyclic collector
+    del dead
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = SpecEngine(model, Eagle3Proposer(_head(model).cuda(), model), k=3, graphs=True)
+        assert engine.generate(_prompts(), MAX_NEW).tokens == refs
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_dflash_graphs_equal_transformers(tiny_kind, cuda_models, compile):
     """The DFlash drafter's forward replayed as a graph per (batch, k), the cache kept per batch size:

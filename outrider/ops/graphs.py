@@ -1,6 +1,7 @@
 """CUDA graphs and ``torch.compile`` for inference steps: capture helpers and the compile policy.
 
-Contract: ``capture_graph`` warms a function up on a side stream and captures one call;
+Contract: ``capture_graph`` warms a function up on a side stream and captures one call, the
+cyclic garbage collector held off meanwhile (``collector_off``);
 ``graph_kernels`` switches a model to kernels a captured step can record (batched experts, slot
 attention); ``graphable`` says whether a many-token forward with one explicit mask is exact under
 a graph. ``CompileOptions`` is the compile policy (backend, static shapes, frozen weights), an
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,6 +51,21 @@ def graph_kernels(model: torch.nn.Module, slots: bool = True):
         yield
 
 
+@contextlib.contextmanager
+def collector_off():
+    """Python's cyclic garbage collector held off, its former state restored after. A collection
+    during a CUDA graph's capture may free a dead graph (an earlier engine's, in a reference cycle),
+    whose reset is not permitted while a stream captures: that invalidates the capture. (torch no
+    longer collects on entering a capture: ``torch.compiler.config.force_cudagraph_gc``.)"""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, pool=None,
                   after_each: Callable[[], Any] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run ``fn`` ``warmups`` times on a side stream (``after_each`` after every run), then
@@ -62,7 +79,7 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, warmups: int, poo
                 after_each()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with collector_off(), torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
 
