@@ -361,8 +361,8 @@ def cpu_explanation(eagle: dict[str, Any], bench_path: Path) -> list[str]:
 def speed_explanation(eagle: dict[str, Any], walked: tuple[int, float] | None) -> list[str]:
     """Where a GPU run's speed-up comes from, in its measured terms: a round's cost in plain decoding
     steps, the decode bound ``tau x AR / (verify + draft)`` that cost sets, the tau a 2x would need
-    at it, and (``walked``: the trainer's last ``(tau_k, walked tau)`` on its eval split) the head's
-    acceptance on held-out training text beside the bench's on held-out prompts."""
+    at it, and (``walked``: ``last_walk``, the saved head's ``(tau_k, walked tau)`` on its eval split) its
+    acceptance on the eval split's texts beside the bench's on held-out prompts."""
     k, tau, ar = eagle["k"], eagle["tau"], eagle["ar_step_ms"]
     cost = (eagle["verify_step_ms"] + eagle["draft_step_ms"]) / ar  # plain steps per round
     decode = eagle.get("decode_speedup_vs_ar", eagle["speedup_vs_ar"])
@@ -374,20 +374,27 @@ def speed_explanation(eagle: dict[str, Any], walked: tuple[int, float] | None) -
     if walked is not None:
         tau_k, walk = walked
         same = "the same k" if tau_k == k else f"k = {tau_k}, the bench's is {k}"
-        lines.append(f"The trainer's walked tau on its eval split (texts held out by opening) was {walk:.2f} "
+        lines.append(f"The saved head's walked tau on its eval split (texts held out by opening) was {walk:.2f} "
                      f"({same}) against the bench's {tau:.2f} on held-out prompts.")
     return lines
 
 
 def last_walk(run: Path) -> tuple[int, float] | None:
-    """``(tau_k, walked tau)`` of the last evaluation of the training run in ``run``
-    (``train_config.json``, ``metrics.jsonl``); None when it has none."""
+    """``(tau_k, walked tau)`` of the saved head of the training run in ``run`` (``train_config.json``,
+    ``metrics.jsonl``): its last evaluation marked best, else its last; None when none walked."""
     if not (run / "train_config.json").exists() or not (run / "metrics.jsonl").exists():
         return None
     tau_k = (read_json(run / "train_config.json", "training settings").get("config") or {}).get("tau_k")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    walks = [r["walk_tau_k"] for r in rows if r.get("type") == "eval" and "walk_tau_k" in r]
-    return None if tau_k is None or not walks else (int(tau_k), float(walks[-1]))
+    evals = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line a killed run left torn
+            continue
+        if row.get("type") == "eval" and "walk_tau_k" in row:
+            evals.append(row)
+    saved = [r for r in evals if r.get("best")] or evals
+    return None if tau_k is None or not saved else (int(tau_k), float(saved[-1]["walk_tau_k"]))
 
 
 class _Quiet:

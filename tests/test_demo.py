@@ -57,13 +57,16 @@ def test_the_gpu_explanation_states_the_rounds_cost_the_bound_and_the_walked_tau
     assert "walked" not in "\n".join(speed_explanation(rec, None))
 
 
-def test_last_walk_reads_the_runs_last_evaluation(tmp_path):
+def test_last_walk_reads_the_saved_heads_evaluation(tmp_path):
     assert last_walk(tmp_path) is None  # no run here
     (tmp_path / "train_config.json").write_text(json.dumps({"config": {"tau_k": 5}}))
     rows = [{"type": "train", "step": 1}, {"type": "eval", "step": 500, "walk_tau_k": 2.4},
             {"type": "eval", "step": 900, "sim_tau_k": 2.9}, {"type": "eval", "step": 1000, "walk_tau_k": 2.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "ev')
+    assert last_walk(tmp_path) == (5, 2.7)  # none marked best: the last; a torn last line skipped
+    rows[1]["best"] = True
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert last_walk(tmp_path) == (5, 2.7)
+    assert last_walk(tmp_path) == (5, 2.4)  # the saved head's evaluation
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert last_walk(tmp_path) is None  # no evaluation walked
 
