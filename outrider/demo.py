@@ -12,7 +12,6 @@ Not done here: anything the stage verbs do not do; the demo only chains them.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from outrider.train.data.regenerate import regen_batches
 from outrider.train.loop.trainer import train
 from outrider.train.options import TrainOptions
 from outrider.records import new_record, write_records
+from outrider.report.inputs import metrics_rows
 
 
 @dataclass(frozen=True)
@@ -381,18 +381,12 @@ def speed_explanation(eagle: dict[str, Any], walked: tuple[int, float] | None) -
 
 def last_walk(run: Path) -> tuple[int, float] | None:
     """``(tau_k, walked tau)`` of the saved head of the training run in ``run`` (``train_config.json``,
-    ``metrics.jsonl``): its last evaluation marked best, else its last; None when none walked."""
+    ``metrics.jsonl`` read by ``report.inputs.metrics_rows``, a torn last line skipped): its last
+    evaluation marked best, else its last; None when none walked."""
     if not (run / "train_config.json").exists() or not (run / "metrics.jsonl").exists():
         return None
     tau_k = (read_json(run / "train_config.json", "training settings").get("config") or {}).get("tau_k")
-    evals = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line a killed run left torn
-            continue
-        if row.get("type") == "eval" and "walk_tau_k" in row:
-            evals.append(row)
+    evals = [r for r in metrics_rows(run / "metrics.jsonl")[0] if r["type"] == "eval" and "walk_tau_k" in r]
     saved = [r for r in evals if r.get("best")] or evals
     return None if tau_k is None or not saved else (int(tau_k), float(saved[-1]["walk_tau_k"]))
 
