@@ -19,6 +19,7 @@
 #                                 everything done so far into $OUT/results.tgz
 set -u
 RES=/tmp/res
+BIG=/tmp/res-big  # files too large for results.tgz, sent in parts
 DEMO=/tmp/demo
 CMP=/tmp/cmp
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -41,6 +42,9 @@ part_demo() {
   cp $DEMO/summary.md $DEMO/bench.json $RES/ 2>/dev/null
   xz -c $DEMO/train/metrics.jsonl > $RES/demo-train-metrics.jsonl.xz 2>/dev/null
   cp $DEMO/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
+  # the head and the eval split come back too, beside results.tgz in parts of 15 MiB (a file back from
+  # the device holds 16 MiB at most), so that walk_check can rerun on a CPU
+  tar -C $DEMO -czf $BIG/demo-head-eval.tgz -h head data/manifest.json $(cd $DEMO && ls data/eval-*.parquet) 2>/dev/null
 }
 part_trees() {  # the demo's head at batch 1: chains k = 3..7 and EAGLE-2 trees of 8 and 16 verified tokens, one run each
   for k in 3 5 7; do
@@ -141,7 +145,9 @@ job() {
 }
 
 case "${1:-}" in
-start) shift; mkdir -p $RES; sed -i '/DONE/d' $RES/status 2>/dev/null
+start) shift  # a machine may keep /tmp from an earlier lease: another commit's results and outputs go first
+       [ -f $RES/commit ] && [ "$(cat $RES/commit)" != "${COMMIT:-unknown}" ] && rm -rf $RES $BIG $DEMO $CMP
+       mkdir -p $RES $BIG; sed -i '/DONE/d' $RES/status 2>/dev/null
        nvidia-smi --query-gpu=name,memory.total --format=csv > $RES/gpu.txt
        echo "${COMMIT:-unknown}" > $RES/commit  # the device copy has no .git: the caller names it
        setsid nohup bash "$0" job ${@:-$ALL} > $RES/job.log 2>&1 < /dev/null & sleep 2; cat $RES/status;;
@@ -150,6 +156,7 @@ wait) end=$(( $(date +%s) + $2 ))
       while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE $RES/status; do sleep 10; done
       cat $RES/status; tail -n 3 $RES/*.log | tail -40
       [ -f $RES/demo.done ] || cp $DEMO/bench.json $RES/demo-bench-so-far.json 2>/dev/null  # a cut demo's records
-      tar czf $OUT/results.tgz -C $RES . ;;
+      tar czf $OUT/results.tgz -C $RES .
+      for f in $BIG/*.tgz; do [ -f "$f" ] && split -b 15m -d "$f" $OUT/$(basename $f).; done ;;
 *) echo "usage: gpu_run.sh start [PART ...] | wait SECONDS   (parts: $ALL)"; exit 2;;
 esac
