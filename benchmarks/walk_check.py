@@ -1,12 +1,14 @@
 """How well the trainer's acceptance estimates predict the engine's, on the same texts.
 
-    python benchmarks/walk_check.py --head DIR (--data DIR [--texts all|seen|unseen] | --prompts SRC)
+    python benchmarks/walk_check.py --head DIR (--data DIR [--texts all|seen|unseen|first|later] | --prompts SRC)
         [--examples 10] [--k 3[,5,...]] [--no-engine] [--read-len auto|max] [--max-new 128] [--device cpu] [--out F]
 
 Texts: the prompts of the first examples of a token dataset's eval split (``--data``: the tokens
 before an example's first assistant turn; ``--texts seen``: only the examples whose opening a train
 example of the same dataset has, the ones a split that ignores openings leaves in eval, ``unseen``:
-the others), or held-out prompts (``--prompts``: 'sharegpt', a .txt or
+the others; ``first``: the examples that are a conversation's first exchange, whose id
+``sharegpt.training_exchanges`` leaves without a ``#``, as the bench's held-out prompts are, ``later``:
+the later user turns and exchanges), or held-out prompts (``--prompts``: 'sharegpt', a .txt or
 a .json list, as ``outrider bench`` takes them), each continued greedily by the target through our
 engine (plain decoding). On each text prompt + continuation the trainer's estimates are computed from
 one TTT unroll of max(k) steps: ``walked`` (``walked_accept_len``: the spans decoded round by round
@@ -64,14 +66,16 @@ def prompts_of(a: argparse.Namespace, tok) -> list[tuple[list[int], str]]:
         return [(p, f"prompt {i}") for i, p in enumerate(load_prompts(tok, a.prompts, a.examples))]
     ds = load_dataset(a.data, "eval")
     seen: set[bytes] = set()
-    if a.texts != "all":
+    if a.texts in ("seen", "unseen"):
         train = load_dataset(a.data, "train")
         seen = {opening(ids, m) for ids, m in zip(train.input_ids, train.loss_mask)}
     out = []
     for i in range(len(ds)):
         if len(out) >= a.examples:
             break
-        if a.texts != "all" and (opening(ds.input_ids[i], ds.loss_mask[i]) in seen) != (a.texts == "seen"):
+        if a.texts in ("seen", "unseen") and (opening(ds.input_ids[i], ds.loss_mask[i]) in seen) != (a.texts == "seen"):
+            continue
+        if a.texts in ("first", "later") and ("#" in ds.conv_ids[i]) != (a.texts == "later"):
             continue
         ids, mask = ds[i]
         out.append((ids[:int(mask.nonzero()[0])].long().tolist(), f"example {i}"))
@@ -86,8 +90,9 @@ def main() -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a token dataset folder: the prompts of its eval split")
     src.add_argument("--prompts", help="held-out prompts: 'sharegpt', a .txt (one per line) or a .json list")
-    ap.add_argument("--texts", default="all", choices=("all", "seen", "unseen"),
-                    help="with --data: the eval examples whose opening a train example has (seen), the others, or all")
+    ap.add_argument("--texts", default="all", choices=("all", "seen", "unseen", "first", "later"),
+                    help="with --data: the eval examples whose opening a train example has (seen), the others "
+                         "(unseen), conversations' first exchanges (first), the later turns (later), or all")
     ap.add_argument("--examples", type=int, default=10)
     ap.add_argument("--k", default="3", help="chain lengths, e.g. 5 or 3,4,5,6,7")
     ap.add_argument("--no-engine", action="store_true", help="the trainer's estimates only, no speculative pass")

@@ -111,6 +111,10 @@ walk_on() {  # walk_on DATA HEAD TAG: the trainer's walked tau against the engin
       --k 5 --device cuda --out $RES/walk-eval$3.json
   stage walk-heldout$3 python3 benchmarks/walk_check.py --head $2 --prompts sharegpt --examples 30 \
       --k 5 --device cuda --out $RES/walk-heldout$3.json
+  for t in first later; do  # the eval split's first exchanges (as the bench's prompts are) against its later turns
+    stage walk-eval-$t$3 python3 benchmarks/walk_check.py --head $2 --data $1 --texts $t --examples 30 \
+        --k 5 --device cuda --out $RES/walk-eval-$t$3.json
+  done
 }
 part_walk() { walk_on $CMP/demo/data $CMP/eagle3/head ""; }  # compare's EAGLE-3 head
 part_demowalk() { walk_on $DEMO/data $DEMO/head -demo; }  # the demo's head
