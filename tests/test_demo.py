@@ -1,13 +1,14 @@
 """The demo's choices: the chain length it picks from a measured record, the CPU summary's
-explanation, which states the measured cost ratios and the planner's GPU prediction, and the GPU
-summary's, which states a round's cost, the bound it sets and the trainer's walked tau beside the bench's."""
+explanation, which states the measured cost ratios and the planner's GPU prediction, the GPU
+summary's, which states a round's cost, the bound it sets and the trainer's walked tau beside the bench's,
+and the training budget, which takes what a budgeted data stage left."""
 
 import json
 
 import pytest
 
 from outrider import sharegpt
-from outrider.demo import ar_record, choose_k, cpu_explanation, last_walk, speed_explanation
+from outrider.demo import SIZES, ar_record, choose_k, cpu_explanation, last_walk, speed_explanation, train_budget
 
 
 def _record(rates, verify_ms, draft_ms, k=5):
@@ -152,3 +153,28 @@ def test_every_demo_preset_is_offered_and_trains_with_a_known_preset():
         assert 0 < size.regen_budget_s and 0 < size.train_budget_s
         assert size.regen_budget_s + size.train_budget_s <= 1000, name
     assert SIZES["full"].regen_budget_s == 0  # full: every exchange asked
+
+
+def _manifest(tmp_path, **regen):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "outrider-tokens", "regenerate": regen}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("regen, expected", [
+    ({"budget_s": 450.0, "seconds": 382.3, "over_budget": 0}, 480.0 + 450.0 - 382.3),  # exchanges ran out first
+    ({"budget_s": 450.0, "seconds": 450.4, "over_budget": 18879}, 480.0),  # the budget ran out first
+    ({"budget_s": 450.0, "seconds": 449.6, "over_budget": 0}, 480.0),  # both at once: under a second left
+    ({"seconds": 200.0}, 480.0),  # no budget recorded
+])
+def test_the_long_preset_trains_for_what_the_data_stage_left_of_its_budget(tmp_path, regen, expected):
+    seconds, note = train_budget(SIZES["long"], _manifest(tmp_path, **regen))
+    assert seconds == pytest.approx(expected)
+    assert f"{expected:.0f} s" in note
+    if expected > 480.0:
+        assert "68 s the data stage left" in note
+
+
+def test_presets_without_a_training_budget_keep_the_training_presets_own(tmp_path):
+    data = _manifest(tmp_path, budget_s=450.0, seconds=100.0, over_budget=0)
+    assert train_budget(SIZES["full"], data) == (0.0, "")
+    assert train_budget(SIZES["quick"], data) == (0.0, "")
