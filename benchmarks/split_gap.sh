@@ -45,13 +45,4 @@ for split in by-example grouped; do
   [ -f "$OUT/walk-$split-heldout.json" ] || python "$HERE/walk_check.py" --head "$OUT/train-$split/head" \
     --prompts sharegpt --examples "$EXAMPLES" --k "$K" --max-new 96 --no-engine --out "$OUT/walk-$split-heldout.json"
 done
-python - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for f in sorted(out.glob("walk-*.json")):
-    r = json.loads(f.read_text())
-    for k, s in r["by_k"].items():
-        print(f"{f.stem}: k={k} walked tau {s['walked_tau']:.3f} over {r['examples']} texts, step-0 accuracy "
-              f"{r['step0_acc_all_positions']:.3f}, repeated 4-grams {r['repeated_4grams']:.2f}")
-EOF
+python "$HERE/walk_table.py" "$OUT"
