@@ -92,6 +92,7 @@ class TrainConfig:
     drafter: str = "eagle3"  # "eagle3" (the head, ttt_steps unrolled) or "dflash" (a block drafter, heads.dflash)
     block_size: int = 8  # dflash: positions per block, drafting block_size - 1 tokens per forward
     dflash_layers: int = 1  # dflash: the drafter's decoder layers
+    dflash_kv_heads: int = 0  # dflash: key/value heads per layer (0: the target's; its attention heads: plain multi-head)
     loss_decay_gamma: float | None = None  # dflash: draft i weighs exp(-i/gamma); None: the paper's for the block
     num_anchors: int = 512  # dflash: blocks per sequence per training step (evaluation: every position)
     dflash_labels: str = "tokens"  # dflash: learn the sequence's tokens (the method's) or the "target"'s distribution
@@ -166,6 +167,13 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "block_size" else 1):
                 raise UserError(f"training setting '{name}' must be an integer >= {2 if name == 'block_size' else 1}, "
                                 f"got {value!r}")
+        if isinstance(self.dflash_kv_heads, bool) or not isinstance(self.dflash_kv_heads, int) \
+                or self.dflash_kv_heads < 0:
+            raise UserError(f"training setting 'dflash_kv_heads' must be an integer >= 0 (0: the target's), "
+                            f"got {self.dflash_kv_heads!r}")
+        if self.dflash_kv_heads and self.drafter != "dflash":
+            raise UserError("training setting 'dflash_kv_heads' is a DFlash drafter's: drop it or train with "
+                            "--drafter dflash")
         if self.loss_decay_gamma is not None and not (isinstance(self.loss_decay_gamma, (int, float))
                                                       and self.loss_decay_gamma > 0):
             raise UserError(f"training setting 'loss_decay_gamma' must be a positive number or null, "

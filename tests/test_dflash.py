@@ -23,10 +23,10 @@ MAX_NEW = 16
 KINDS = ["llama", "deepseek_v3"]
 
 
-def random_drafter(model, seed=0, block_size=6, layers=2, draft_vocab=64, aux=(1, 2, 4)):
+def random_drafter(model, seed=0, block_size=6, layers=2, draft_vocab=64, aux=(1, 2, 4), kv_heads=None):
     """A random DFlash drafter for ``model`` whose draft vocabulary is a random subset of the target's."""
     cfg = DFlashConfig.for_target(model.config, draft_vocab, mask_token_id=3, block_size=block_size,
-                                  num_layers=layers, aux_layer_ids=aux)
+                                  num_layers=layers, aux_layer_ids=aux, num_kv_heads=kv_heads)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():  # sharper than the default init: fewer near-ties in the draft argmax
@@ -50,8 +50,12 @@ def test_config_for_targets_and_engine_ids(tiny_models):
         assert cfg.hidden_size == model.config.hidden_size and cfg.num_target_layers == L
         assert DFlashConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     model = tiny_models("llama")
+    heads = model.config.num_attention_heads  # 4 heads over 2 kv heads: the drafter's own layout replaces it
+    own = DFlashConfig.for_target(model.config, 64, mask_token_id=0, num_layers=1, aux_layer_ids=(1, 2),
+                                  num_kv_heads=heads)
+    assert (own.num_key_value_heads, own.num_attention_heads, own.head_dim) == (heads, heads, model.config.head_dim)
     for bad, says in [({"aux_layer_ids": (0, 1)}, r"\[0\] out of range"), ({"aux_layer_ids": (1, 9)}, "out of range"),
-                      ({"block_size": 1}, "block_size")]:
+                      ({"block_size": 1}, "block_size"), ({"num_kv_heads": 3}, "not a multiple of num_key_value_heads 3")]:
         args = {"aux_layer_ids": (1, 2), "block_size": 4, **bad}
         with pytest.raises(UserError, match=says):
             DFlashConfig.for_target(model.config, 64, mask_token_id=0, num_layers=1, **args)
@@ -169,6 +173,22 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_models):
         tv_same = 0.5 * (hist(plain, pos) - hist(spec, pos)).abs().sum().item()
         tv_other = 0.5 * (hist(plain, pos) - hist(other, pos)).abs().sum().item()
         assert tv_same < 0.12 and tv_same < tv_other / 3, (tv_same, tv_other)
+
+
+def test_a_drafter_with_its_own_kv_heads_decodes_losslessly_and_reloads_equal(tiny_models, tmp_path):
+    """Plain multi-head attention on a GQA target (``num_kv_heads`` = its heads): batch 4 equals plain
+    greedy decoding, and the written layout records the drafter's heads, not the target's."""
+    model = tiny_models("llama")
+    heads = model.config.num_attention_heads
+    drafter = random_drafter(model, seed=5, kv_heads=heads)
+    assert drafter.layers[0].self_attn.k_proj.out_features == heads * model.config.head_dim
+    prompts = _prompts()
+    refs = SpecEngine(model, None).generate(prompts, MAX_NEW).tokens
+    assert SpecEngine(model, DFlashProposer(drafter, model), k=5).generate(prompts, MAX_NEW).tokens == refs
+    write_dflash(drafter, tmp_path / "d", dtype="float32", target_config=model.config)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["num_key_value_heads"] == heads
+    reloaded, cfg = load_head(tmp_path / "d", model.config)
+    assert cfg == drafter.config and random_check(drafter, reloaded) == 0.0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -144,6 +144,19 @@ def test_dflash_labels_are_tokens_or_the_target():
         TrainConfig(dflash_labels="target")  # an EAGLE-3 head
 
 
+def test_dflash_kv_heads_are_the_drafters_own_or_the_targets():
+    from outrider.config import TrainConfig
+    from outrider.errors import UserError
+
+    assert TrainConfig(drafter="dflash").dflash_kv_heads == 0  # the target's layout
+    assert TrainConfig(drafter="dflash", dflash_kv_heads=4).dflash_kv_heads == 4
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(UserError, match="'dflash_kv_heads' must be an integer >= 0"):
+            TrainConfig(drafter="dflash", dflash_kv_heads=bad)
+    with pytest.raises(UserError, match="'dflash_kv_heads' is a DFlash drafter's"):
+        TrainConfig(dflash_kv_heads=4)  # an EAGLE-3 head
+
+
 def test_a_settings_file_of_a_dflash_drafter_with_the_flag_alone(tmp_path):
     """``--config`` naming DFlash settings (soft labels) and ``--drafter dflash`` naming the drafter:
     the flag applies before the settings are checked together, on a new run and on a resume."""

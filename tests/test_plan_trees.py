@@ -22,7 +22,7 @@ from outrider.plan.cost_model import (
     step_cost,
 )
 from outrider.plan.hardware import load_profile, parse_precision
-from outrider.plan.planner import acceptance_from_bench, plan, trees_from_bench
+from outrider.plan.planner import _dflash_shape, acceptance_from_bench, plan, trees_from_bench
 from outrider.plan.presets import KIMI_K25, SMOLLM2_135M
 from outrider.plan.trees import predict_tree, tree_round_cost
 from outrider.trees import TreeBudget, budget_of, static_tree
@@ -173,6 +173,10 @@ def test_dflash_round_is_one_forward_of_its_layers_over_k_plus_one(smol):
         p = predict(smol, hw, one_layer, Acceptance.from_rates([0.7]), k, b, 1, 512)
         assert p.draft_kind == "block" and p.verify_step_s == step_cost(smol, hw, 1, k + 1, b, 512).total_s
     assert draft_round_cost(one_layer, hw, 1, 7, 1, 512).total_s < draft_round_cost(head, hw, 1, 7, 1, 512).total_s
+    mha = dflash_shape(SMOLLM2_135M, 1, kv_heads=SMOLLM2_135M.num_heads)  # its own kv heads: 9 where the target has 3
+    hd = SMOLLM2_135M.head_dim
+    assert mha.shape.attn_params - one_layer.shape.attn_params == 2 * SMOLLM2_135M.hidden_size * 6 * hd
+    assert mha.shape.kv_elems_per_token == 2 * 9 * hd
 
 
 def _roofline_fc(draft, hw, batch):
@@ -200,11 +204,13 @@ def test_plan_compares_eagle3_parallel_and_dflash(tmp_path):
 def test_plan_keeps_dflash_within_its_block(tmp_path):
     folder = tmp_path / "drafter"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "block_size": 4}))
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "block_size": 4,
+                                                    "num_key_value_heads": SMOLLM2_135M.num_heads}))
     records = [{"method": "dflash", "k": 3, "tau": 2.1, "accept_rate_per_pos": [0.65, 0.4, 0.25],
                 "draft": str(folder)}]
     _, rows, _ = _plan(tmp_path, records, batches=[1], ks=[2, 3, 4, 5])
     assert sorted(r["k"] for r in rows) == [2, 3]
+    assert _dflash_shape(write(tmp_path, records)) == (2, 4, SMOLLM2_135M.num_heads)  # priced with its own kv heads
 
 
 # ---- records ---------------------------------------------------------------------------------

@@ -110,10 +110,14 @@ class DFlashConfig:
 
     @classmethod
     def for_target(cls, target_config: Any, draft_vocab_size: int, mask_token_id: int, block_size: int = 8,
-                   num_layers: int = 1, aux_layer_ids: Sequence[int] | None = None) -> "DFlashConfig":
+                   num_layers: int = 1, aux_layer_ids: Sequence[int] | None = None,
+                   num_kv_heads: int | None = None) -> "DFlashConfig":
         """A drafter as wide as the target with ``num_layers`` Qwen3 layers (the target's head layout;
-        on an MLA target plain multi-head attention of ``H / heads``). Aux ids default to EAGLE-3's
-        ``(2, L//2, L-3)``; ``L`` (the last layer's output) is allowed."""
+        on an MLA target plain multi-head attention of ``H / heads``). ``num_kv_heads`` replaces the
+        target's key/value heads (a divisor of its heads; the heads themselves: plain multi-head, whose
+        values carry ``H`` dims of context per layer where the target's GQA layout carries
+        ``kv * head_dim``). Aux ids default to EAGLE-3's ``(2, L//2, L-3)``; ``L`` (the last layer's
+        output) is allowed."""
         cfg = target_config if isinstance(target_config, dict) else target_config.to_dict()
         info = arch_info(cfg)
         ids = tuple(int(j) for j in (aux_layer_ids if aux_layer_ids is not None else info.default_aux_layer_ids()))
@@ -126,7 +130,7 @@ class DFlashConfig:
         mla = info.attention == "MLA"
         return cls(
             hidden_size=info.hidden_size, num_hidden_layers=int(num_layers), num_attention_heads=info.num_heads,
-            num_key_value_heads=info.num_heads if mla else info.num_kv_heads,
+            num_key_value_heads=num_kv_heads or (info.num_heads if mla else info.num_kv_heads),
             head_dim=info.hidden_size // info.num_heads if mla else info.head_dim,
             intermediate_size=info.intermediate_size or math.ceil(8 * info.hidden_size / 3 / 64) * 64,
             rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,

@@ -361,15 +361,15 @@ def eagle3_head_shape(target: ArchInfo, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
 
 
 def dflash_shape(target: ArchInfo, layers: int = 1, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
-                 precision: Precision | None = None) -> DraftSpec:
+                 precision: Precision | None = None, kv_heads: int | None = None) -> DraftSpec:
     """A DFlash block drafter for ``target`` (``heads.dflash``): ``layers`` Qwen3 decoder layers of
-    the target's width and head layout (an MLA target's: plain attention of ``H / heads``), q/k/v over
-    H, the target's MLP width, an lm_head over the draft vocabulary and an fc 3H -> H over the new
-    context states once per round."""
+    the target's width and head layout (an MLA target's: plain attention of ``H / heads``; ``kv_heads``
+    when the drafter has its own), q/k/v over H, the target's MLP width, an lm_head over the draft
+    vocabulary and an fc 3H -> H over the new context states once per round."""
     H, heads = target.hidden_size, target.num_heads
     mla = target.attention == "MLA"
     hd = H // heads if mla else (target.head_dim or H // heads)
-    kv = heads if mla else target.num_kv_heads
+    kv = kv_heads or (heads if mla else target.num_kv_heads)
     attn = 2 * H * heads * hd + 2 * H * kv * hd
     inter = target.intermediate_size or 4 * H
     bf16 = WEIGHT_FORMATS["bf16"]

@@ -294,11 +294,12 @@ def _option(p: Prediction, sep: str = " with ") -> str:
     return f"{p.method}{sep}k={p.k}"
 
 
-def _dflash_shape(acceptance: str | None) -> tuple[int, int]:
-    """(layers, block_size) of the DFlash drafter a bench file's ``dflash`` record ran (its folder's
-    config.json); (1, the record's k + 1) when it cannot be read, (1, 65) without a record."""
+def _dflash_shape(acceptance: str | None) -> tuple[int, int, int | None]:
+    """(layers, block_size, kv heads or None for the target's) of the DFlash drafter a bench file's
+    ``dflash`` record ran (its folder's config.json); (1, the record's k + 1, None) when it cannot be
+    read, (1, 65, None) without a record."""
     if acceptance is None:
-        return 1, 65
+        return 1, 65, None
     records = [r for r in read_records(acceptance) if r.method == "dflash"]
     for r in records:
         folder = Path(str(r.get("draft") or "")).expanduser()
@@ -306,10 +307,10 @@ def _dflash_shape(acceptance: str | None) -> tuple[int, int]:
             cfg = json.loads((folder / "config.json").read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        layers, block = cfg.get("num_hidden_layers"), cfg.get("block_size")
+        layers, block, kv = cfg.get("num_hidden_layers"), cfg.get("block_size"), cfg.get("num_key_value_heads")
         if isinstance(layers, int) and layers >= 1 and isinstance(block, int) and block >= 2:
-            return layers, block
-    return 1, max([int(r.k or 1) + 1 for r in records] or [65])
+            return layers, block, kv if isinstance(kv, int) and kv >= 1 else None
+    return 1, max([int(r.k or 1) + 1 for r in records] or [65]), None
 
 
 def _launch(p: Prediction) -> Prediction:
@@ -414,10 +415,10 @@ def plan(target: str, hardware: str, tp: int = 1, batches: Sequence[int] = (1,),
         raise UserError(f"--new-tokens must be an integer >= 1, got {new_tokens!r}")
 
     head = eagle3_head_shape(arch, draft_vocab)
-    dflash_layers, dflash_block = _dflash_shape(acceptance)
+    dflash_layers, dflash_block, dflash_kv = _dflash_shape(acceptance)
     drafts: dict[str, DraftSpec] = {"eagle3": head, "ngram": DraftSpec("ngram"),
                                     "parallel": replace(head, method="parallel"),
-                                    "dflash": dflash_shape(arch, dflash_layers, draft_vocab)}
+                                    "dflash": dflash_shape(arch, dflash_layers, draft_vocab, kv_heads=dflash_kv)}
     if draft is not None:
         dname, darch, dprec = resolve_target(draft)
         if darch.vocab_size != arch.vocab_size:

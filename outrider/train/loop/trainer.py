@@ -198,7 +198,8 @@ class _Trainer:
         aux_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
         if cfg.drafter == "dflash":
             head_cfg = DFlashConfig.for_target(target_cfg, self.vocab.draft_vocab_size, cfg.mask_token_id,
-                                               cfg.block_size, cfg.dflash_layers, aux_ids)
+                                               cfg.block_size, cfg.dflash_layers, aux_ids,
+                                               cfg.dflash_kv_heads or None)
         else:
             head_cfg = Eagle3Config.for_target(target_cfg, self.vocab.draft_vocab_size, aux_ids,
                                                attention=cfg.head_attention, **cfg.head_options())
