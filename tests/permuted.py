@@ -133,14 +133,16 @@ def build_head(target: Path, attention: str = "gqa", parallel: bool = False):
     return head.eval().requires_grad_(False)
 
 
-def build_dflash(target: Path, block_size: int = 4):
+def build_dflash(target: Path, block_size: int = 4, kv_heads: int | None = None):
     """A DFlash drafter of known acceptance for the target in ``target``: its one layer's mask queries
     are zero (the mask token 0 embeds to zero), so they attend evenly to every key, and every
     value is zero but the block's first token's (``v_proj`` and ``o_proj`` the identity); after the
     final norm ``lm_head`` predicts ``P(x_p)`` at every mask. The first draft is always right, the
     later ones almost never: walked tau about 2. ``fc`` reads only the upper half of the first aux
     state, zero at the ids it was built for; a server that hands it another layer (the noise) fills
-    the context values and the drafts go wrong."""
+    the context values and the drafts go wrong. ``kv_heads`` (the drafter's own, else the target's):
+    with fewer key/value heads than the identity needs, the values keep the first ``kv * head_dim``
+    dims of the token's embedding and ``o_proj`` passes the first head's back."""
     from transformers import AutoModelForCausalLM
 
     from outrider.heads.dflash import DFlashConfig, DFlashDrafter
@@ -148,7 +150,7 @@ def build_dflash(target: Path, block_size: int = 4):
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     H = model.config.hidden_size
     cfg = DFlashConfig.for_target(model.config, VOCAB - SPECIALS, mask_token_id=0, block_size=block_size,
-                                  num_layers=1, aux_layer_ids=AUX)
+                                  num_layers=1, aux_layer_ids=AUX, num_kv_heads=kv_heads)
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg)
     perm = permutation()
@@ -156,8 +158,10 @@ def build_dflash(target: Path, block_size: int = 4):
     with torch.no_grad():
         drafter.fc.weight.zero_()  # [H, 3 H_t]
         drafter.fc.weight[:, H // 2: H] = torch.randn(H, H // 2)
-        attn.v_proj.weight.copy_(torch.eye(H))
-        attn.o_proj.weight.copy_(torch.eye(H))
+        width = cfg.num_key_value_heads * cfg.head_dim  # [width, H]: the values keep the first dims
+        attn.v_proj.weight.copy_(torch.eye(H)[:width])
+        attn.o_proj.weight.zero_()  # [H, heads * head_dim]
+        attn.o_proj.weight[:, :width].copy_(torch.eye(H)[:, :width])
         drafter.layers[0].mlp.down_proj.weight.zero_()
         drafter.lm_head.weight.zero_()
         emb = model.model.embed_tokens.weight

@@ -142,20 +142,23 @@ def test_mla_head_served_on_a_deepseek_v3_target(vllm, kept, targets, heads, dty
     assert_served_as_here(record, len(permuted.PROMPTS))
 
 
-@pytest.mark.parametrize("kind, fmt", [("llama", "vllm"), ("deepseek_v3", "vllm"), ("llama", "speculators")])
-def test_dflash_drafter_served(vllm, kept, targets, kind, fmt, tmp_path):
+@pytest.mark.parametrize("kind, fmt, kv_heads", [("llama", "vllm", None), ("deepseek_v3", "vllm", None),
+                                                 ("llama", "speculators", None), ("llama", "vllm", 1)])
+def test_dflash_drafter_served(vllm, kept, targets, kind, fmt, kv_heads, tmp_path):
     """A DFlash drafter in each layout we write (z-lab's for ``vllm``, speculators'), served with
-    LAUNCH.md's ``"method": "dflash"``."""
+    LAUNCH.md's ``"method": "dflash"``; and one whose key/value heads are its own (``dflash_kv_heads``:
+    one where the target has two), which the engine must size its drafter's cache by."""
     from outrider.interop.formats.dflash import write_dflash
 
     ours, folder = tmp_path / "ours", tmp_path / "dflash"
-    drafter = permuted.build_dflash(targets[kind])
+    drafter = permuted.build_dflash(targets[kind], kv_heads=kv_heads)
     write_dflash(drafter, ours, str(targets[kind]), dtype="float32")
     export(str(ours), fmt, folder, target=str(targets[kind]), dtype="float32", num_speculative_tokens=3)
     argv = launch_argv(folder)
     assert engine_env.speculative_config(argv) == {"method": "dflash", "model": str(folder),
                                                    "num_speculative_tokens": 3}
     name = f"dflash-{kind}-float32" if fmt == "vllm" else f"dflash-{fmt}-{kind}-float32"
+    name += f"-kv{kv_heads}" if kv_heads else ""
     record = serve_and_bench(vllm, kept, name, argv, targets[kind], _prompts(tmp_path), "float32", draft=ours,
                              method="dflash")
     assert_served_as_here(record, len(permuted.PROMPTS))
