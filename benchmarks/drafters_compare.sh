@@ -12,7 +12,8 @@
 # final norm from the target's (init_from_target), DFLASH_FREEZE=1 as well and keeps that lm_head
 # frozen (freeze_lm_head, as DFlash's reference trainers do); DFLASH_LABELS=target trains it on the
 # target's distributions (dflash_labels); DFLASH_KV_HEADS gives it its own key/value heads
-# (dflash_kv_heads; default 0, the target's). Default K: 3 on a CPU (the quick
+# (dflash_kv_heads; default 0, the target's); DFLASH_GAMMA weighs its draft i by exp(-i / gamma)
+# (loss_decay_gamma; default the paper's for the block). Default K: 3 on a CPU (the quick
 # preset's unroll), 5 on CUDA. TREES (e.g. "4,3,16 4,4,16") also benches the EAGLE-3 head's
 # EAGLE-2 trees at batch 1. PROMPTS and TOKENS: held-out prompts and new tokens each (32 x 128 on
 # CUDA, 16 x 48 on a CPU). METHODS (default "eagle3 parallel dflash") and BATCHES (default "1 8")
@@ -44,11 +45,11 @@ if [ "$cuda" = 1 ]; then prompts=${PROMPTS:-32}; tokens=${TOKENS:-128}; else pro
   git rev-parse HEAD 2>/dev/null || echo "no git"
   python -c 'import torch, platform; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu", "torch", torch.__version__)'
   echo "methods=$methods batches=$batches"
-  echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} dflash_freeze=${DFLASH_FREEZE:-0} dflash_labels=${DFLASH_LABELS:-tokens} dflash_kv_heads=${DFLASH_KV_HEADS:-0} prompts=$prompts max_new_tokens=$tokens"
+  echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} dflash_freeze=${DFLASH_FREEZE:-0} dflash_labels=${DFLASH_LABELS:-tokens} dflash_kv_heads=${DFLASH_KV_HEADS:-0} dflash_gamma=${DFLASH_GAMMA:-default} prompts=$prompts max_new_tokens=$tokens"
 } > "$out/env.txt"
 
 [ -f "$out/demo/data/manifest.json" ] || python -c 'import sys; from outrider.demo import demo_data; demo_data(sys.argv[1])' "$out/demo"
-steps=$(python - "$k" "$layers" "$out" "${STEPS:-0}" "${DFLASH_INIT:-0}" "${DFLASH_FREEZE:-0}" "${DFLASH_LABELS:-tokens}" "${DFLASH_KV_HEADS:-0}" <<'EOF'
+steps=$(python - "$k" "$layers" "$out" "${STEPS:-0}" "${DFLASH_INIT:-0}" "${DFLASH_FREEZE:-0}" "${DFLASH_LABELS:-tokens}" "${DFLASH_KV_HEADS:-0}" "${DFLASH_GAMMA:-}" <<'EOF'
 import json, sys
 from outrider.config import TrainConfig
 import torch
@@ -62,7 +63,7 @@ json.dump(common, open(f"{out}/eagle3.json", "w"))
 json.dump(common, open(f"{out}/parallel.json", "w"))
 json.dump({**common, "block_size": k + 1, "dflash_layers": layers, **({"init_from_target": True} if init else {}),
            **({"freeze_lm_head": True} if freeze else {}), "dflash_labels": sys.argv[7],
-           "dflash_kv_heads": int(sys.argv[8])},
+           "dflash_kv_heads": int(sys.argv[8]), **({"loss_decay_gamma": float(sys.argv[9])} if sys.argv[9] else {})},
           open(f"{out}/dflash.json", "w"))
 print(base.steps)
 EOF
