@@ -55,7 +55,8 @@ def test_config_for_targets_and_engine_ids(tiny_models):
                                   num_kv_heads=heads)
     assert (own.num_key_value_heads, own.num_attention_heads, own.head_dim) == (heads, heads, model.config.head_dim)
     for bad, says in [({"aux_layer_ids": (0, 1)}, r"\[0\] out of range"), ({"aux_layer_ids": (1, 9)}, "out of range"),
-                      ({"block_size": 1}, "block_size"), ({"num_kv_heads": 3}, "not a multiple of num_key_value_heads 3")]:
+                      ({"block_size": 1}, "block_size"),
+                      ({"num_kv_heads": 3}, r"dflash_kv_heads 3\) must divide its 4 attention heads")]:
         args = {"aux_layer_ids": (1, 2), "block_size": 4, **bad}
         with pytest.raises(UserError, match=says):
             DFlashConfig.for_target(model.config, 64, mask_token_id=0, num_layers=1, **args)

@@ -125,6 +125,10 @@ class DFlashConfig:
         if bad:
             raise UserError(f"aux layer ids {bad} out of range for a DFlash drafter: ids 1..{info.num_layers} "
                             f"(the target has {info.num_layers} layers)")
+        if num_kv_heads is not None and (type(num_kv_heads) is not int or num_kv_heads < 1
+                                         or info.num_heads % num_kv_heads):
+            raise UserError(f"a DFlash drafter's own key/value heads (dflash_kv_heads {num_kv_heads!r}) must divide "
+                            f"its {info.num_heads} attention heads (the target's)")
         text = text_config(cfg)
         rope_theta, rope_scaling = rope_from_config(text)
         mla = info.attention == "MLA"
