@@ -5,8 +5,7 @@
 # ~20 min), trees (chains against EAGLE-2 trees on the demo's head), bench (the demo's head at k = 5 as typed and with --no-compile), batches (planner vs
 # engine at batch 1/4/16/64), cache (cache_bench), mla (mla_check), stream (stream_bench), shape
 # (shape_change); not in the default chain: gputests (tests/test_gpu.py's graph tests), compare
-# (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees), compare2
-# (a second DFlash recipe, CMP2_LAYERS layers, on compare's data),
+# (drafters_compare.sh: EAGLE-3, P-EAGLE, DFlash at CMP_STEPS steps on the demo's data, and trees),
 # treeplan (the planner's tree prices against compare's trees), walk (walk_check on compare's
 # EAGLE-3 head: eval-split against held-out prompts; split_check on its data), demowalk (the same on
 # the demo's head and data), regen (regen_rate: the data stage's replies per second, where a wave's time goes, a profile),
@@ -23,7 +22,6 @@ RES=/tmp/res
 BIG=/tmp/res-big  # files too large for results.tgz, sent in parts
 DEMO=/tmp/demo
 CMP=/tmp/cmp
-CMP2=/tmp/cmp2
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ALL="demo trees bench batches cache mla stream shape"
 
@@ -101,15 +99,6 @@ part_compare() {  # EAGLE-3, P-EAGLE, DFlash at CMP_STEPS optimizer steps each o
   cp $CMP/train-*.log $RES/ 2>/dev/null
   cp $CMP/demo/data/manifest.json $RES/demo-data-manifest.json 2>/dev/null
 }
-part_compare2() {  # a second DFlash recipe on compare's data: DFLASH_LAYERS=CMP2_LAYERS (default 2), the other
-  # DFLASH_* as compare's, batch 1 only; its own AR baseline in its own process
-  mkdir -p $CMP2/demo $RES/compare2
-  [ -e $CMP2/demo/data ] || ln -s $CMP/demo/data $CMP2/demo/data
-  STEPS=${CMP_STEPS:-800} TREES= METHODS=dflash BATCHES=1 DFLASH_LAYERS=${CMP2_LAYERS:-2} \
-      stage compare2 bash benchmarks/drafters_compare.sh $CMP2 5
-  cp $CMP2/table.md $CMP2/env.txt $CMP2/bench-*.json $CMP2/bench.log $CMP2/train-*.log $RES/compare2/ 2>/dev/null
-  [ -f $CMP2/dflash/metrics.jsonl ] && xz -c $CMP2/dflash/metrics.jsonl > $RES/compare2/train-dflash-metrics.jsonl.xz
-}
 part_treeplan() {  # the planner's tree prices from the chain's measured costs, against the measured trees
   for t in 4-3-16 4-4-16; do
     stage plan-$t outrider plan default --hardware h100 --calibrate $CMP/bench-eagle3-b1-k5.json \
@@ -161,7 +150,7 @@ job() {
 
 case "${1:-}" in
 start) shift  # a machine may keep /tmp from an earlier lease: another commit's results and outputs go first
-       [ -f $RES/commit ] && [ "$(cat $RES/commit)" != "${COMMIT:-unknown}" ] && rm -rf $RES $BIG $DEMO $CMP $CMP2
+       [ -f $RES/commit ] && [ "$(cat $RES/commit)" != "${COMMIT:-unknown}" ] && rm -rf $RES $BIG $DEMO $CMP
        mkdir -p $RES $BIG; sed -i '/DONE/d' $RES/status 2>/dev/null
        nvidia-smi --query-gpu=name,memory.total --format=csv > $RES/gpu.txt
        echo "${COMMIT:-unknown}" > $RES/commit  # the device copy has no .git: the caller names it
