@@ -134,16 +134,16 @@ def test_a_frozen_lm_head_stays_the_targets_rows(env, capsys):
 
 
 def test_a_drafter_with_its_own_kv_heads_trains_and_a_non_divisor_is_refused(env, capsys):
-    """``dflash_kv_heads`` reaches the saved drafter (2 key/value heads on either tiny target, whose
+    """``dflash_kv_heads`` reaches the saved drafter (one key/value head on either tiny target, whose
     4 heads have 2 (Llama) or 4 (MLA: the drafter's plain attention)); 3 does not divide 4: one line,
     exit 2, no run written."""
-    cfg = env["root"] / "kv2.json"
-    cfg.write_text(json.dumps({**DFLASH, "dflash_kv_heads": 2}))
-    out = env["root"] / "kv2"
+    cfg = env["root"] / "kv1.json"
+    cfg.write_text(json.dumps({**DFLASH, "dflash_kv_heads": 1}))
+    out = env["root"] / "kv1"
     rc = cli_main(["train", env["target"], "--data", env["data"], "--out", str(out), "--config", str(cfg),
                    "--drafter", "dflash", "--quiet", "--device", "cpu", "--max-steps", "2"])
     assert rc in (0, None), capsys.readouterr().err
-    assert load_head(out / "head", env["target"])[1].num_key_value_heads == 2
+    assert load_head(out / "head", env["target"])[1].num_key_value_heads == 1
     cfg.write_text(json.dumps({**DFLASH, "dflash_kv_heads": 3}))
     bad = env["root"] / "kv3"
     assert cli_main(["train", env["target"], "--data", env["data"], "--out", str(bad), "--config", str(cfg),
