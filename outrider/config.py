@@ -162,15 +162,10 @@ class TrainConfig:
             raise UserError(f"training setting 'mask_token_id' must be a token id >= 0 or null, got {self.mask_token_id!r}")
         if self.drafter not in DRAFTERS:
             raise UserError(f"training setting 'drafter' must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        for name in ("block_size", "dflash_layers", "num_anchors"):
+        for name, least in (("block_size", 2), ("dflash_layers", 1), ("num_anchors", 1), ("dflash_kv_heads", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "block_size" else 1):
-                raise UserError(f"training setting '{name}' must be an integer >= {2 if name == 'block_size' else 1}, "
-                                f"got {value!r}")
-        if isinstance(self.dflash_kv_heads, bool) or not isinstance(self.dflash_kv_heads, int) \
-                or self.dflash_kv_heads < 0:
-            raise UserError(f"training setting 'dflash_kv_heads' must be an integer >= 0 (0: the target's), "
-                            f"got {self.dflash_kv_heads!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UserError(f"training setting '{name}' must be an integer >= {least}, got {value!r}")
         if self.dflash_kv_heads and self.drafter != "dflash":
             raise UserError("training setting 'dflash_kv_heads' is a DFlash drafter's: drop it or train with "
                             "--drafter dflash")
