@@ -347,6 +347,31 @@ def test_bench_counts_truncated_prompts_and_fewer_prompts_than_asked(w, tmp_path
     _one_line(capsys.readouterr().err, contains="shorter than the chat template alone")
 
 
+def test_bench_skips_a_prompt_the_cut_makes_the_same_as_an_earlier_one(w, tmp_path, capsys):
+    tail = " ".join(f"w{5 + i % 40}" for i in range(60))  # two texts that differ only before the kept tail
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"w9 {tail}\nw7 {tail}\nw5 w6 w7\n")
+    out = tmp_path / "b.json"
+    assert cli_main(["bench", str(w["target"]), "--method", "ngram", "--k", "2", "--max-new-tokens", "4",
+                     "--num-prompts", "2", "--prompts", str(prompts), "--max-prompt-tokens", "24", "--json",
+                     str(out), "--quiet"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    record = json.loads(out.read_text())[0]
+    assert (record["num_prompts"], record["truncated_prompts"], record["repeated_prompts"]) == (2, 1, 1)
+    assert "1 prompt(s) came out the same tokens as an earlier one" in shown
+
+    from outrider.bench.local import prepare_prompts
+    from outrider.models import load_tokenizer
+
+    tok = load_tokenizer(w["target"])
+    ran = prepare_prompts(tok, str(prompts), 2, 24).ids
+    whole = prepare_prompts(tok, str(prompts), 3, 10 ** 6).ids  # uncut: all three differ
+    assert ran[0] == prepare_prompts(tok, str(prompts), 1, 24).ids[0] and ran[1] == whole[2]
+    short = prepare_prompts(tok, str(prompts), 3, 24)  # the file has no third distinct prompt
+    assert (len(short.ids), short.repeated) == (2, 1)
+    assert "holds 2 distinct: ran 2" in short.notices(str(prompts))[0]
+
+
 def test_turns_a_server_refuses_are_counted_told_and_asked_again(tmp_path, capsys):
     from test_openai_client import REJECT_WORD, TinyServer, conversations
     from tiny import make_tiny, tiny_tokenizer

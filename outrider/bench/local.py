@@ -15,6 +15,7 @@ max_new_tokens counts what it emitted). Prompt files are plain text (one per lin
 of strings; a conversation file is refused. Nothing is shortened in silence: a prompt longer than
 ``max_prompt_tokens`` (512 by default) keeps the chat template's start and end around the last
 tokens of its text, and is counted (``truncated_prompts``, in the record and under the table);
+a prompt that comes out the same tokens as an earlier one is skipped for the next (``repeated_prompts``);
 fewer prompts than asked is a notice, and ``num_prompts`` is what ran. Throughput counts new tokens over wall time of whole ``generate`` calls (prefill included).
 With ``hf_baseline`` our autoregressive run and ``transformers`` ``generate`` alternate batch by
 batch, so that a machine whose speed drifts during the run cannot favour either.
@@ -99,25 +100,50 @@ class Prompts:
     asked: int
     truncated: int
     max_prompt_tokens: int
+    repeated: int = 0  # prompts skipped because they came out the same tokens as an earlier one
 
     def notices(self, source: str) -> list[str]:
-        """What the user must be told: fewer prompts than asked, prompts shortened."""
+        """What the user must be told: fewer prompts than asked, prompts shortened, prompts skipped."""
         out = []
         if len(self.ids) < self.asked:
-            out.append(f"--num-prompts {self.asked}, but {source} holds {len(self.ids)}: ran {len(self.ids)}")
+            out.append(f"--num-prompts {self.asked}, but {source} holds {len(self.ids)} distinct: ran {len(self.ids)}")
         if self.truncated:
             out.append(f"{self.truncated} of {len(self.ids)} prompts were longer than --max-prompt-tokens "
                        f"{self.max_prompt_tokens}: kept the chat template's start and end and the last tokens of "
                        "their text")
+        if self.repeated:
+            out.append(f"{self.repeated} prompt(s) came out the same tokens as an earlier one (after the cut to "
+                       f"--max-prompt-tokens {self.max_prompt_tokens}, or repeated in {source}): skipped, the next "
+                       "ones taken")
         return out
 
 
 def prepare_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
                     max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> Prompts:
-    """``num_prompts`` prompts (``prompt_texts``) in the chat template, fitted (``fit_prompt``) and counted."""
+    """``num_prompts`` distinct prompts (``prompt_texts``) in the chat template, fitted (``fit_prompt``)
+    and counted. Two texts that differ only in what the cut drops come out the same tokens: the
+    later one is skipped and the next text taken, so that no prompt is benched twice."""
     require(max_prompt_tokens >= 1, f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
-    fitted = [fit_prompt(tokenizer, t, max_prompt_tokens) for t in prompt_texts(source, num_prompts)]
-    return Prompts([ids for ids, _ in fitted], num_prompts, sum(cut for _, cut in fitted), max_prompt_tokens)
+    ids: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    truncated = repeated = drawn = 0
+    limit = 2 * num_prompts  # spares for skipped repeats, so that the source is read once as a rule
+    while len(ids) < num_prompts:
+        texts = prompt_texts(source, limit)
+        for text in texts[drawn:]:
+            fitted, cut = fit_prompt(tokenizer, text, max_prompt_tokens)
+            if tuple(fitted) in seen:
+                repeated += 1
+                continue
+            seen.add(tuple(fitted))
+            ids.append(fitted)
+            truncated += cut
+            if len(ids) == num_prompts:
+                break
+        if len(texts) < limit:  # the source holds no more
+            break
+        drawn, limit = len(texts), limit + num_prompts - len(ids)
+    return Prompts(ids, num_prompts, truncated, max_prompt_tokens, repeated)
 
 
 def load_prompts(tokenizer, source: str = "sharegpt", num_prompts: int = 10,
@@ -364,6 +390,7 @@ def bench(target: str, method: str, draft: str | None = None, k: int = 4,
         "num_prompts": len(prompt_ids),  # that ran
         "num_prompts_asked": prepared.asked,
         "truncated_prompts": prepared.truncated,
+        "repeated_prompts": prepared.repeated,  # skipped: the same tokens as an earlier prompt
         "max_prompt_tokens": prepared.max_prompt_tokens,
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
