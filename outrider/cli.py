@@ -37,6 +37,7 @@ from outrider.cliargs import (
     int_list,
     names_of,
     output_of,
+    quiet_loading,
     stderr_line,
     stream_options,
     train_options,
@@ -180,8 +181,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
         return 0
     # under torchrun: one process group; rank 0 claims the cache (its lock) and writes header and manifest
     env = dist.init_from_env(a.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    ranks = Ranks(env)
-    device = env.device if env is not None else a.device
+    ranks, device = Ranks(env), (env.device if env is not None else a.device)
     try:
         with ExitStack() as stack:
             error, source = None, None
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         check_args(args)
-        with Signals() as args.signals:
+        with Signals() as args.signals, quiet_loading(args):
             return args.fn(args)
     except UserError as e:
         if not e.quiet:  # another process (rank 0 of a torchrun) printed the line
