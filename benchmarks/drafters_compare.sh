@@ -42,7 +42,7 @@ if [ "$cuda" = 1 ]; then prompts=${PROMPTS:-32}; tokens=${TOKENS:-128}; else pro
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
-  git rev-parse HEAD 2>/dev/null || echo "no git"
+  python -c 'from outrider.provenance import git_commit; print(git_commit() or "no git")'  # -dirty: not the commit's tree
   python -c 'import torch, platform; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu", "torch", torch.__version__)'
   echo "methods=$methods batches=$batches"
   echo "k=$k dflash_layers=$layers dflash_init=${DFLASH_INIT:-0} dflash_freeze=${DFLASH_FREEZE:-0} dflash_labels=${DFLASH_LABELS:-tokens} dflash_kv_heads=${DFLASH_KV_HEADS:-0} dflash_gamma=${DFLASH_GAMMA:-default} prompts=$prompts max_new_tokens=$tokens"

@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
-  git rev-parse HEAD 2>/dev/null || echo "no git"
+  python -c 'from outrider.provenance import git_commit; print(git_commit() or "no git")'  # -dirty: not the commit's tree
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
   python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 } > "$out/env.txt" 2>&1
