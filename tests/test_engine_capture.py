@@ -114,7 +114,9 @@ def test_engine_capture_equals_ours_and_trains(vllm, default_setup, monkeypatch,
             + f"; final normed state {final:.1e} (abs {absolute[-1]:.1e}); engine {tokens / wall:.0f} tok/s with the "
             f"server's start, ours {setup['ours_tps']:.0f} tok/s")
     print(line)
-    (Path(os.environ.get("OUTRIDER_ENGINE_OUT", tmp_path)) / "engine-capture.txt").write_text(line + "\n")
+    kept = Path(os.environ.get("OUTRIDER_ENGINE_OUT", tmp_path))  # a folder made here when this test runs first
+    kept.mkdir(parents=True, exist_ok=True)
+    (kept / "engine-capture.txt").write_text(line + "\n")
     assert max(aux) < 1e-5 and final < 1e-5, line
     assert not list(Path(out).glob("*.safetensors.lock"))
     cfg = TrainConfig(steps=4, batch_size=2, grad_accum=1, max_length=48, lr=3e-3, warmup_steps=1, ttt_steps=3,
