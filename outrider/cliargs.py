@@ -7,9 +7,10 @@ checks that join several flags or look at an input's kind (k within max-new-toke
 the kind the method needs) before the verb starts. ``train_options`` checks ``train``'s flags once
 into a ``TrainOptions`` (``outrider.train.options``); ``stream_options`` the streaming flags that
 ``train`` and ``capture`` share; ``quiet_loading`` keeps transformers' bars off under ``--quiet``.
-``OneLineParser`` prints an argument error as one line (no usage block), exit status 2. ``user_os_error`` finds the ``OSError`` a user can fix
-(permissions, a read-only or full file system, a path through a file, a folder where a file
-belongs, a name too long: ``fsutil.USER_ERRNOS``) behind an exception, for ``fsutil.os_error_line``. Nothing heavy is
+``OneLineParser`` prints an argument error as one line (no usage block), exit status 2.
+``user_os_error`` finds the ``OSError`` a user can fix (permissions, a read-only or full file
+system, a path through a file, a folder where a file belongs, a name too long:
+``fsutil.USER_ERRNOS``) behind an exception, for ``fsutil.os_error_line``. Nothing heavy is
 imported at module level, so ``outrider --help`` stays instant.
 """
 
