@@ -358,7 +358,8 @@ def test_bench_skips_a_prompt_the_cut_makes_the_same_as_an_earlier_one(w, tmp_pa
     shown = " ".join(capsys.readouterr().out.split())
     record = json.loads(out.read_text())[0]
     assert (record["num_prompts"], record["truncated_prompts"], record["repeated_prompts"]) == (2, 1, 1)
-    assert "1 prompt(s) came out the same tokens as an earlier one" in shown
+    assert "1 prompt(s) came out the same tokens as an earlier one" in shown  # the notice before the run
+    assert "ngram: 1 prompt(s) skipped, the same tokens as an earlier one" in shown  # and under the table
 
     from outrider.bench.local import prepare_prompts
     from outrider.models import load_tokenizer

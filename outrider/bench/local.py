@@ -507,6 +507,9 @@ def print_table(records: list[dict[str, Any]], console) -> None:
         if r.get("truncated_prompts"):
             console.print(f"{r['method']}: {r['truncated_prompts']} of {r['num_prompts']} prompts truncated to "
                           f"{r.get('max_prompt_tokens')} tokens (--max-prompt-tokens)")
+        if r.get("repeated_prompts"):
+            console.print(f"{r['method']}: {r['repeated_prompts']} prompt(s) skipped, the same tokens as an "
+                          "earlier one")
     for r in records:
         if "hf_tokens_per_s" in r:
             console.print(f"transformers generate: {r['hf_tokens_per_s']:.1f} tok/s; "
