@@ -37,7 +37,6 @@ from outrider.cliargs import (
     int_list,
     names_of,
     output_of,
-    quiet_loading,
     stderr_line,
     stream_options,
     train_options,
@@ -48,6 +47,7 @@ from outrider.errors import UserError
 from outrider.fsutil import os_error_line
 from outrider.interop.drafts import DRAFTS
 from outrider.interop.formats import FORMATS
+from outrider.progress import transformers_bars
 from outrider.signals import Interrupted, Signals, exit_process
 from outrider.train.loop.resume import NAMES as RESUME_NAMES
 
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         check_args(args)
-        with Signals() as args.signals, quiet_loading(args):
+        with Signals() as args.signals, transformers_bars(not getattr(args, "quiet", False)):
             return args.fn(args)
     except UserError as e:
         if not e.quiet:  # another process (rank 0 of a torchrun) printed the line

@@ -6,7 +6,7 @@ saying the range; ``device`` refuses a device this machine does not have. ``chec
 checks that join several flags or look at an input's kind (k within max-new-tokens, a draft of
 the kind the method needs) before the verb starts. ``train_options`` checks ``train``'s flags once
 into a ``TrainOptions`` (``outrider.train.options``); ``stream_options`` the streaming flags that
-``train`` and ``capture`` share; ``quiet_loading`` keeps transformers' bars off under ``--quiet``.
+``train`` and ``capture`` share.
 ``OneLineParser`` prints an argument error as one line (no usage block), exit status 2.
 ``user_os_error`` finds the ``OSError`` a user can fix (permissions, a read-only or full file
 system, a path through a file, a folder where a file belongs, a name too long:
@@ -17,12 +17,10 @@ imported at module level, so ``outrider --help`` stays instant.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import math
 import os
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from outrider.decode.proposers import PROPOSERS
@@ -275,24 +273,6 @@ def check_args(a: argparse.Namespace) -> None:
         _check_decoding(a)  # a served run's --method names what the server runs; its --draft is optional
     elif a.verb == "plan":
         _check_plan(a)
-
-
-@contextlib.contextmanager
-def quiet_loading(a: argparse.Namespace) -> Iterator[None]:
-    """With ``--quiet``, transformers' own bars (its "Loading weights") stay off for the verb's run,
-    as outrider's do; the setting before is restored after."""
-    if not getattr(a, "quiet", False):
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 def stream_options(a: argparse.Namespace) -> StreamOptions | None:

@@ -6,12 +6,34 @@ columns such as ``"loss {loss} {tps} tok/s"``), ``log(text)`` prints a line abov
 draws a spinner (work of unknown length); ``unit="bytes"`` shows the size instead of a count.
 Disabled, it prints nothing and costs nothing, so callers pass their ``progress`` flag straight
 through instead of branching. ``manual=True`` draws only inside ``advance``/``update`` (no refresh
-thread), for timed work: a benchmark keeps the drawing out of its clocks.
+thread), for timed work: a benchmark keeps the drawing out of its clocks. ``transformers_bars(on)``
+keeps transformers' own bars (its "Loading weights") off while ``on`` is false, and restores the
+setting it found.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def transformers_bars(on: bool) -> Iterator[None]:
+    """transformers' progress bars as they are when ``on``; off inside the block when not, then back
+    to what they were (an environment that turned them off keeps them off)."""
+    if on:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 class Bar:

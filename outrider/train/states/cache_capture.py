@@ -64,7 +64,7 @@ from outrider.models import (
     parse_device_map,
     resolve,
 )
-from outrider.progress import Bar
+from outrider.progress import Bar, transformers_bars
 from outrider.train.states import cache
 from outrider.train.states.capture import ModelSource, TeacherHead
 from outrider.train.states.capture_ranks import Ranks, RankStopped, assign, differ, rank_placement
@@ -292,8 +292,6 @@ def _prepare(target: str, data: str, dtype: str, aux_layer_ids: Sequence[int] | 
 def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any, batch_tokens: int | None,
                   progress: bool, device_map: Any = None, offload_folder: str | None = None,
                   ranks: Ranks | None = None):
-    from transformers.utils import logging as hf_logging
-
     max_memory = None
     if ranks is not None and ranks.distributed and device_map is not None:  # each rank on GPUs of its own
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -302,15 +300,9 @@ def _model_source(target: str, ids: Sequence[int], device: Any, model_dtype: Any
         if offload_folder is not None:  # each rank offloads its own copy
             offload_folder = str(Path(offload_folder) / f"rank-{ranks.rank}")
 
-    bars = hf_logging.is_progress_bar_enabled()
-    if not progress:  # --quiet: not even transformers' bar while the weights load
-        hf_logging.disable_progress_bar()
-    try:
+    with transformers_bars(progress):  # --quiet: not even transformers' bar while the weights load
         model, _ = load_model(target, device=device, dtype=model_dtype, with_tokenizer=False, device_map=device_map,
                               offload_folder=offload_folder, max_memory=max_memory)
-    finally:
-        if bars and not progress:
-            hf_logging.enable_progress_bar()
     cuda = input_device(model).type == "cuda"
     return ModelSource(model, ids, batch_tokens or (32768 if cuda else 4096))
 
