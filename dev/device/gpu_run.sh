@@ -160,6 +160,7 @@ wait) end=$(( $(date +%s) + $2 ))
       while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE $RES/status; do sleep 10; done
       cat $RES/status; tail -n 3 $RES/*.log | tail -40
       [ -f $RES/demo.done ] || cp $DEMO/bench.json $RES/demo-bench-so-far.json 2>/dev/null  # a cut demo's records
+      [ -f $RES/compare.done ] || cp $CMP/env.txt $CMP/train-*.log $CMP/bench-*.json $RES/ 2>/dev/null  # a cut compare's
       tar czf $OUT/results.tgz -C $RES .
       for f in $BIG/*.tgz; do [ -f "$f" ] && split -b 15m -d "$f" $OUT/$(basename $f).; done ;;
 *) echo "usage: gpu_run.sh start [PART ...] | wait SECONDS   (parts: $ALL)"; exit 2;;
