@@ -339,10 +339,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> dict
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     with contextlib.ExitStack() as restore:  # transformers' verbosity and bars back as they were
-        restore.callback(hf_logging.set_verbosity, verbosity)
+        restore.callback(hf_logging.set_verbosity, hf_logging.get_verbosity())
+        hf_logging.set_verbosity_error()
         restore.enter_context(transformers_bars(progress))
         # the GGUF reader draws its own tqdm bar on stderr; hide it unless asked for progress
         with contextlib.redirect_stderr(io.StringIO()) if not progress else contextlib.nullcontext():

@@ -92,6 +92,9 @@ part_gputests() {  # the CUDA fast path against plain generate (graphs of chains
 part_compare() {  # EAGLE-3, P-EAGLE, DFlash at CMP_STEPS optimizer steps each on the demo's data; EAGLE-2 trees
   # (CMP_TREES, empty for none); drafters_compare.sh's METHODS, BATCHES and DFLASH_* pass through
   STEPS=${CMP_STEPS:-800} TREES=${CMP_TREES-4,3,16 4,4,16} stage compare bash benchmarks/drafters_compare.sh $CMP 5
+  collect_compare
+}
+collect_compare() {  # what the compare has written so far, into $RES (`wait` calls it too, for a compare cut short)
   cp $CMP/table.md $CMP/env.txt $CMP/bench-*.json $CMP/bench.log $RES/ 2>/dev/null
   for m in eagle3 parallel dflash; do
     [ -f $CMP/$m/metrics.jsonl ] && xz -c $CMP/$m/metrics.jsonl > $RES/train-$m-metrics.jsonl.xz
@@ -160,7 +163,7 @@ wait) end=$(( $(date +%s) + $2 ))
       while [ "$(date +%s)" -lt "$end" ] && ! grep -q DONE $RES/status; do sleep 10; done
       cat $RES/status; tail -n 3 $RES/*.log | tail -40
       [ -f $RES/demo.done ] || cp $DEMO/bench.json $RES/demo-bench-so-far.json 2>/dev/null  # a cut demo's records
-      [ -f $RES/compare.done ] || cp $CMP/env.txt $CMP/train-*.log $CMP/bench-*.json $RES/ 2>/dev/null  # a cut compare's
+      grep -q 'start compare' $RES/status && [ ! -f $RES/compare.done ] && collect_compare  # a cut compare's files
       tar czf $OUT/results.tgz -C $RES .
       for f in $BIG/*.tgz; do [ -f "$f" ] && split -b 15m -d "$f" $OUT/$(basename $f).; done ;;
 *) echo "usage: gpu_run.sh start [PART ...] | wait SECONDS   (parts: $ALL)"; exit 2;;
